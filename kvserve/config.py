@@ -1,0 +1,274 @@
+"""Engine configuration: ``EngineArgs`` (the user's flags) -> typed configs the engine parts read."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvserve.logger import init_logger
+
+logger = init_logger(__name__)
+
+_DTYPE_NAMES: dict[str, torch.dtype] = {
+    "half": torch.float16,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float": torch.float32,
+    "float32": torch.float32,
+}
+DTYPE_CHOICES = ["auto", "half", "float16", "bfloat16", "float", "float32"]
+KV_CACHE_DTYPE_CHOICES = ["auto", "bfloat16", "float16"]
+
+GiB = 1 << 30
+# vLLM's CPU default when VLLM_CPU_KVCACHE_SPACE is unset or 0 is a fixed number of GiB.
+DEFAULT_CPU_KV_CACHE_SPACE_GIB = 4
+
+
+@dataclass
+class ModelConfig:
+    """What the engine needs to know about the checkpoint."""
+
+    model: str
+    hf_config: Any  # transformers.PretrainedConfig
+    architecture: str
+    dtype: torch.dtype
+    max_model_len: int
+    seed: int = 0
+
+    @property
+    def num_layers(self) -> int:
+        return self.hf_config.num_hidden_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        c = self.hf_config
+        return getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+
+    @property
+    def head_size(self) -> int:
+        c = self.hf_config
+        return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+
+@dataclass
+class CacheConfig:
+    """Paged KV cache: page geometry, dtype and memory budget."""
+
+    block_size: int = 16
+    cache_dtype: str = "auto"
+    kv_cache_memory: int | None = None  # bytes (CPU, or an explicit override on GPU)
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    num_gpu_blocks_override: int | None = None
+    num_blocks: int = 0  # set by the memory planner
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_chunked_prefill: bool = True
+
+
+@dataclass
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    device: torch.device
+    tokenizer: str
+
+
+def _resolve_dtype(requested: str | torch.dtype, hf_config: Any, device: torch.device) -> torch.dtype:
+    """``--dtype``: auto = the checkpoint's dtype; fp16 on CPU falls back to bf16 (vLLM's CPU rule)."""
+    if isinstance(requested, torch.dtype):
+        dtype = requested
+    else:
+        name = str(requested).lower()
+        if name == "auto":
+            ckpt = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+            if isinstance(ckpt, str):
+                ckpt = getattr(torch, ckpt, None)
+            dtype = ckpt if isinstance(ckpt, torch.dtype) and ckpt.is_floating_point else torch.float32
+        elif name in _DTYPE_NAMES:
+            dtype = _DTYPE_NAMES[name]
+        else:
+            raise ValueError(f"Unknown dtype: {requested!r}. Supported: {DTYPE_CHOICES}")
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"dtype {dtype} is not supported. Supported: {DTYPE_CHOICES}")
+    if device.type == "cpu" and dtype == torch.float16:
+        logger.warning("float16 is not supported on CPU, casting to bfloat16.")
+        dtype = torch.bfloat16
+    return dtype
+
+
+def _derive_max_model_len(hf_config: Any, requested: int | None) -> int:
+    derived = None
+    for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+        value = getattr(hf_config, key, None)
+        if isinstance(value, int) and value > 0:
+            derived = value if derived is None else min(derived, value)
+    if derived is None:
+        derived = 2048
+    if requested is None:
+        return derived
+    if requested <= 0:
+        raise ValueError(f"max_model_len must be positive, got {requested}.")
+    if requested > derived:
+        raise ValueError(
+            f"User-specified max_model_len ({requested}) is greater than the derived max_model_len "
+            f"(max_position_embeddings={derived} in model's config.json). Decrease max_model_len."
+        )
+    return requested
+
+
+def _batch_defaults(device: torch.device) -> tuple[int, int]:
+    """vLLM's LLM-class defaults (max_num_seqs, max_num_batched_tokens) for the device."""
+    if device.type == "cpu":
+        return 256, 4096
+    total = torch.cuda.get_device_properties(device).total_memory
+    name = torch.cuda.get_device_name(device).lower()
+    if total >= 70 * GiB and "a100" not in name:
+        return 1024, 16384
+    return 256, 8192
+
+
+def _cpu_kv_cache_bytes(explicit: int | None) -> int:
+    if explicit is not None:
+        if explicit <= 0:
+            raise ValueError(f"kv_cache_memory must be positive, got {explicit}.")
+        return int(explicit)
+    env = os.environ.get("VLLM_CPU_KVCACHE_SPACE") or os.environ.get("KVSERVE_CPU_KVCACHE_SPACE")
+    if env and float(env) > 0:
+        return int(float(env) * GiB)
+    logger.warning(
+        "Environment variable VLLM_CPU_KVCACHE_SPACE (GiB) for CPU backend is not set, using %d by default.",
+        DEFAULT_CPU_KV_CACHE_SPACE_GIB,
+    )
+    return DEFAULT_CPU_KV_CACHE_SPACE_GIB * GiB
+
+
+@dataclass
+class EngineArgs:
+    """The flags of ``kvserve generate`` / ``LLM(...)``, named as in vLLM."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
+    block_size: int = 16
+    max_model_len: int | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    seed: int = 0
+    device: str = "auto"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def create_engine_config(self) -> EngineConfig:
+        from transformers import AutoConfig
+
+        from kvserve.models.registry import resolve_architecture
+
+        model_path = self.model
+        if model_path is None:
+            from kvserve.loader.default_model import ensure_default_model
+
+            model_path = str(ensure_default_model())
+        path = Path(model_path)
+        if not (path / "config.json").is_file():
+            raise ValueError(
+                f"model {model_path!r} is not a local Hugging Face checkpoint folder "
+                "(no config.json found). Pass --model /path/to/folder with config.json and "
+                "*.safetensors files."
+            )
+        with open(path / "config.json") as f:
+            raw = json.load(f)
+        architecture = resolve_architecture(raw.get("architectures") or [])
+        hf_config = AutoConfig.from_pretrained(str(path))
+
+        if self.device == "auto":
+            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        else:
+            device = torch.device(self.device)
+        dtype = _resolve_dtype(self.dtype, hf_config, device)
+        max_model_len = _derive_max_model_len(hf_config, self.max_model_len)
+
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
+            raise ValueError(
+                f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported. "
+                f"Supported values: {KV_CACHE_DTYPE_CHOICES}"
+            )
+        if self.block_size <= 0 or self.block_size % 8 or self.block_size > 256:
+            raise ValueError(
+                f"block_size must be a positive multiple of 8 up to 256, got {self.block_size}."
+            )
+        default_seqs, default_batched = _batch_defaults(device)
+        max_num_seqs = self.max_num_seqs if self.max_num_seqs is not None else default_seqs
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}.")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                "gpu_memory_utilization must be in (0, 1], got "
+                f"{self.gpu_memory_utilization}."
+            )
+
+        max_batched = self.max_num_batched_tokens
+        if max_batched is None:
+            max_batched = max(default_batched, max_num_seqs)
+            if not self.enable_chunked_prefill:
+                max_batched = max(max_batched, max_model_len)
+        if max_batched < max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({max_batched}) must be greater than or equal to "
+                f"max_num_seqs ({max_num_seqs})."
+            )
+        if not self.enable_chunked_prefill and max_batched < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({max_batched}) is smaller than max_model_len "
+                f"({max_model_len}). This effectively limits the maximum sequence length to "
+                "max_num_batched_tokens and makes vLLM reject longer sequences. Please increase "
+                "max_num_batched_tokens or decrease max_model_len."
+            )
+
+        kv_bytes = _cpu_kv_cache_bytes(self.kv_cache_memory) if device.type == "cpu" else self.kv_cache_memory
+        return EngineConfig(
+            model_config=ModelConfig(
+                model=str(path),
+                hf_config=hf_config,
+                architecture=architecture,
+                dtype=dtype,
+                max_model_len=max_model_len,
+                seed=self.seed,
+            ),
+            cache_config=CacheConfig(
+                block_size=self.block_size,
+                cache_dtype=self.kv_cache_dtype,
+                kv_cache_memory=kv_bytes,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                enable_prefix_caching=self.enable_prefix_caching,
+                num_gpu_blocks_override=self.num_gpu_blocks_override,
+            ),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_batched,
+                max_model_len=max_model_len,
+                enable_chunked_prefill=self.enable_chunked_prefill,
+            ),
+            device=device,
+            tokenizer=self.tokenizer or str(path),
+        )

@@ -1,0 +1,178 @@
+"""Engine: validates and queues requests, runs scheduler -> runner steps, applies stop rules and
+produces outputs. It owns the scheduler, the KV manager, the model runner and the output states."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from kvserve.config import EngineArgs, EngineConfig
+from kvserve.engine.detokenizer import IncrementalDetokenizer
+from kvserve.engine.kv_cache import KVCacheManager
+from kvserve.engine.outputs import RequestOutput, RequestState
+from kvserve.engine.request import Request, RequestStatus
+from kvserve.engine.sampling import SamplingParams
+from kvserve.engine.scheduler import Scheduler
+from kvserve.logger import init_logger
+
+logger = init_logger(__name__)
+
+MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
+PromptInput = str | list[int] | dict[str, Any]
+
+
+def load_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _generation_eos_ids(model_path: str) -> list[int]:
+    gen = Path(model_path) / "generation_config.json"
+    if not gen.is_file():
+        return []
+    eos = json.loads(gen.read_text()).get("eos_token_id")
+    if eos is None:
+        return []
+    return [eos] if isinstance(eos, int) else list(eos)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        from kvserve.runner.model_runner import ModelRunner
+
+        self.config = config
+        self.tokenizer = load_tokenizer(config.tokenizer)
+        # the Rust tokenizer decodes much faster than the Python wrapper; same text
+        self.decoder = getattr(self.tokenizer, "backend_tokenizer", None) or self.tokenizer
+        self.eos_token_id: int | None = self.tokenizer.eos_token_id
+        self.extra_eos_ids = _generation_eos_ids(config.model_config.model)
+        self.runner = ModelRunner(config)
+        cc = config.cache_config
+        self.kv_manager = KVCacheManager(cc.num_blocks, cc.block_size, cc.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler_config, self.kv_manager)
+        self.states: dict[str, RequestState] = {}
+        self.vocab_size = max(config.model_config.vocab_size, len(self.tokenizer))
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "Engine":
+        return cls(args.create_engine_config())
+
+    # ---- requests -------------------------------------------------------------------------
+    def tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        """Prompt text (None for token prompts) and its token ids."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            prompt = prompt["prompt"]
+        if isinstance(prompt, str):
+            return prompt, list(self.tokenizer(prompt).input_ids)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(
+            f"Invalid prompt {prompt!r}: expected a string, a list of token ids, or a dict with "
+            "'prompt' or 'prompt_token_ids'."
+        )
+
+    def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams) -> None:
+        """Validate and queue a request; raises ValueError (and changes nothing) on bad input."""
+        if request_id in self.states:
+            raise ValueError(f"Request id {request_id!r} already exists.")
+        prompt_text, ids = self.tokenize(prompt)
+        max_len = self.config.model_config.max_model_len
+        if not ids:
+            raise ValueError("The decoder prompt cannot be empty")
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            bad = max(ids) if max(ids) >= self.vocab_size else min(ids)
+            raise ValueError(f"Token id {bad} is out of vocabulary")
+        if len(ids) > max_len:
+            raise ValueError(
+                f"The decoder prompt (length {len(ids)}) is longer than the maximum model length "
+                f"of {max_len}. Make sure that `max_model_len` is no smaller than the number of "
+                "text tokens."
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(params, name)
+            if n is not None and n > MAX_LOGPROBS:
+                kind = "sample" if name == "logprobs" else "prompt"
+                raise ValueError(
+                    f"Requested {kind} logprobs of {n}, which is greater than max allowed: {MAX_LOGPROBS}"
+                )
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not supported by kvserve yet; leave it unset.")
+        if params.n > 1:
+            raise ValueError("n > 1 is not supported by kvserve yet; use n=1.")
+        params = params.clone()
+        if params.max_tokens is None:
+            params.max_tokens = max_len - len(ids)
+        params.update_from_generation_config(self.eos_token_id, self.extra_eos_ids)
+
+        request = Request(request_id, ids, params)
+        self.states[request_id] = RequestState(
+            request_id=request_id,
+            prompt=prompt_text,
+            prompt_token_ids=ids,
+            params=params,
+            detokenizer=IncrementalDetokenizer(self.decoder, ids, params),
+            tokenizer=self.decoder,
+        )
+        self.scheduler.add_request(request)
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+            if self.scheduler.abort(rid) is not None:
+                self.runner.remove_request(rid)
+            self.states.pop(rid, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.scheduler.num_running + self.scheduler.num_waiting
+
+    # ---- stepping -------------------------------------------------------------------------
+    def _check_stop(self, req: Request) -> tuple[RequestStatus | None, int | None]:
+        """vLLM's order: min_tokens, EOS, stop token ids, then the length caps."""
+        params, last = req.sampling_params, req.output_token_ids[-1]
+        max_len = self.config.model_config.max_model_len
+        if req.num_output_tokens >= params.min_tokens:
+            if params.eos_token_id is not None and last == params.eos_token_id:
+                return RequestStatus.FINISHED_STOPPED, None
+            if last in params.stop_token_ids:  # type: ignore[operator]
+                return RequestStatus.FINISHED_STOPPED, last
+        if req.num_tokens >= max_len or req.num_output_tokens >= (params.max_tokens or 0):
+            return RequestStatus.FINISHED_LENGTH_CAPPED, None
+        return None, None
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule one batch, run it, and return the outputs it produced."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        results = self.runner.execute(sched)
+        outputs: list[RequestOutput] = []
+        for s in sched.scheduled:
+            req = s.request
+            res = results.get(req.request_id)
+            if res is None:
+                continue  # a prefill chunk that did not reach the end of the prompt yet
+            req.append_output_token(res.token_id)
+            status, stop_reason = self._check_stop(req)
+            state = self.states[req.request_id]
+            state.token_ids.append(res.token_id)
+            if res.logprobs is not None and res.logprob_token_ids is not None:
+                state.add_logprobs(res.logprob_token_ids, res.logprobs, res.sampled_rank or 0)
+            stop_str = state.detokenizer.update([res.token_id], status == RequestStatus.FINISHED_STOPPED)
+            if stop_str is not None:
+                status, stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
+            if status is not None:
+                self.scheduler.finish_request(req, status)
+                self.runner.remove_request(req.request_id)
+                del self.states[req.request_id]
+            out = state.make_output(
+                req.num_cached_tokens, status.finish_reason if status is not None else None, stop_reason
+            )
+            if out is not None:
+                outputs.append(out)
+        return outputs

@@ -1,0 +1,186 @@
+"""Paged KV bookkeeping: a block pool with reference counts and an LRU free queue, chained
+block hashes for prefix caching, and the per-request manager the scheduler talks to."""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvserve.engine.request import Request
+
+
+@dataclass(eq=False)
+class KVBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: bytes | None = None  # set while the block is in the prefix cache
+
+
+def hash_block(parent: bytes | None, token_ids: list[int]) -> bytes:
+    """Chained hash of a full block: depends on every token before it, not only its own."""
+    h = hashlib.sha256(parent or b"kvserve")
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return h.digest()
+
+
+class BlockPool:
+    """All KV blocks; free ones in LRU order (evicted from the head), cached ones by hash."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be at least 1, got {num_blocks}.")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.cached: dict[bytes, KVBlock] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    def get_new_blocks(self, n: int) -> list[KVBlock]:
+        if n > len(self.free_queue):
+            raise ValueError(f"Cannot get {n} free blocks from the pool ({len(self.free_queue)} free).")
+        out = []
+        for _ in range(n):
+            _, block = self.free_queue.popitem(last=False)
+            self._evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def _evict(self, block: KVBlock) -> None:
+        if block.block_hash is not None:
+            if self.cached.get(block.block_hash) is block:
+                del self.cached[block.block_hash]
+            block.block_hash = None
+
+    def touch(self, blocks: list[KVBlock]) -> None:
+        """Take a reference to prefix-cache hits (removing free ones from the free queue)."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self.free_queue[block.block_id]
+            block.ref_cnt += 1
+
+    def free(self, blocks: list[KVBlock]) -> None:
+        """Drop a reference; blocks reaching zero go to the tail of the free queue in the given order."""
+        for block in blocks:
+            block.ref_cnt -= 1
+            assert block.ref_cnt >= 0, f"double free of block {block.block_id}"
+            if block.ref_cnt == 0:
+                self.free_queue[block.block_id] = block
+
+    def cache_block(self, block: KVBlock, block_hash: bytes) -> None:
+        if self.enable_caching and block.block_hash is None and block_hash not in self.cached:
+            block.block_hash = block_hash
+            self.cached[block_hash] = block
+
+    def lookup(self, block_hash: bytes) -> KVBlock | None:
+        return self.cached.get(block_hash)
+
+    def reset_prefix_cache(self) -> bool:
+        if len(self.free_queue) != self.num_blocks:
+            return False
+        for block in self.blocks:
+            block.block_hash = None
+        self.cached.clear()
+        return True
+
+
+class KVCacheManager:
+    """Maps requests to blocks: prefix-cache lookup, slot allocation, freeing."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVBlock]] = {}
+        self._num_cached_blocks: dict[str, int] = {}
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
+
+    def _update_block_hashes(self, request: Request) -> None:
+        bs, hashes = self.block_size, request.block_hashes
+        tokens = request.all_token_ids
+        while (len(hashes) + 1) * bs <= len(tokens):
+            i = len(hashes)
+            hashes.append(hash_block(hashes[-1] if hashes else None, tokens[i * bs : (i + 1) * bs]))
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """Longest cached prefix of full blocks; the last token is always recomputed (for logits)."""
+        if not self.enable_caching:
+            return [], 0
+        self._update_block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVBlock] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        self.prefix_cache_queries += request.num_tokens
+        self.prefix_cache_hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVBlock] | None = None
+    ) -> bool:
+        """Reserve blocks so that ``num_new_tokens`` more tokens fit; False (nothing changed) if not."""
+        new_computed_blocks = new_computed_blocks or []
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        total = num_computed + num_new_tokens
+        num_needed = -(-total // self.block_size) - len(blocks) - len(new_computed_blocks)
+        reclaimable = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_needed > self.pool.num_free_blocks - reclaimable:
+            return False
+        self.pool.touch(new_computed_blocks)
+        blocks = self.req_to_blocks.setdefault(request.request_id, blocks)
+        blocks.extend(new_computed_blocks)
+        if num_needed > 0:
+            blocks.extend(self.pool.get_new_blocks(num_needed))
+        if self.enable_caching:
+            self._cache_full_blocks(request, blocks, min(total, request.num_tokens))
+        return True
+
+    def _cache_full_blocks(self, request: Request, blocks: list[KVBlock], num_tokens: int) -> None:
+        self._update_block_hashes(request)
+        start = self._num_cached_blocks.get(request.request_id, 0)
+        end = num_tokens // self.block_size
+        for i in range(start, end):
+            self.pool.cache_block(blocks[i], request.block_hashes[i])
+        self._num_cached_blocks[request.request_id] = max(start, end)
+
+    def free(self, request: Request) -> None:
+        """Release all of a request's blocks, tail first (so a prefix outlives its suffix in the cache)."""
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self._num_cached_blocks.pop(request.request_id, None)
+        self.pool.free(list(reversed(blocks)))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()
+
+    def check_invariants(self) -> None:
+        """Every reference is accounted for; used by tests."""
+        counts = [0] * self.pool.num_blocks
+        for blocks in self.req_to_blocks.values():
+            for b in blocks:
+                counts[b.block_id] += 1
+        for b in self.pool.blocks:
+            assert b.ref_cnt == counts[b.block_id], f"block {b.block_id}: ref {b.ref_cnt} != {counts[b.block_id]}"
+            assert (b.ref_cnt == 0) == (b.block_id in self.pool.free_queue), f"block {b.block_id} free-queue mismatch"

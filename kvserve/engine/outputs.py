@@ -1,0 +1,117 @@
+"""Request outputs (vLLM's classes and fields) and the processor that turns engine steps into them.
+
+Every output of a request shares the request's one ``prompt`` string and one ``prompt_token_ids``
+list; per step only the new tokens are handled, never anything proportional to the prompt."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvserve.engine.detokenizer import IncrementalDetokenizer
+from kvserve.engine.sampling import RequestOutputKind, SamplingParams
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+SampleLogprobs = list[dict[int, Logprob]]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: SampleLogprobs | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: list[dict[int, Logprob] | None] | None
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: Any = None
+    num_cached_tokens: int | None = None
+
+
+@dataclass
+class RequestState:
+    """What the output side keeps per request: shared prompt objects, detokenizer, progress."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    tokenizer: Any
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: SampleLogprobs | None = None
+    cumulative_logprob: float | None = None
+    sent_tokens: int = 0  # for DELTA outputs
+    sent_logprobs: int = 0
+
+    def __post_init__(self) -> None:
+        if self.params.logprobs is not None:
+            self.logprobs, self.cumulative_logprob = [], 0.0
+
+    def add_logprobs(self, ids: list[int], values: list[float], rank: int) -> None:
+        assert self.logprobs is not None and self.cumulative_logprob is not None
+        self.cumulative_logprob += values[0]
+        ranks = [rank] + list(range(1, len(ids)))
+        entry: dict[int, Logprob] = {}
+        for tid, val, r in zip(ids, values, ranks):
+            decoded = self.tokenizer.decode([tid], skip_special_tokens=False) if self.params.detokenize else None
+            entry[tid] = Logprob(val, r, decoded)
+        self.logprobs.append(entry)
+
+    def make_output(
+        self, num_cached_tokens: int | None, finish_reason: str | None, stop_reason: int | str | None
+    ) -> RequestOutput | None:
+        kind = self.params.output_kind
+        finished = finish_reason is not None
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        delta = kind == RequestOutputKind.DELTA
+        text = self.detokenizer.get_next_output_text(finished, delta)
+        if delta:
+            token_ids = self.token_ids[self.sent_tokens :]
+            logprobs = self.logprobs[self.sent_logprobs :] if self.logprobs is not None else None
+            self.sent_tokens = len(self.token_ids)
+            self.sent_logprobs = len(self.logprobs) if self.logprobs is not None else 0
+            if not token_ids and not text and not finished:
+                return None
+        else:
+            token_ids = list(self.token_ids)
+            logprobs = list(self.logprobs) if self.logprobs is not None else None
+        completion = CompletionOutput(
+            index=0,
+            text=text,
+            token_ids=token_ids,
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=logprobs,
+            finish_reason=finish_reason,
+            stop_reason=stop_reason,
+        )
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            prompt_logprobs=None,
+            outputs=[completion],
+            finished=finished,
+            num_cached_tokens=num_cached_tokens,
+        )

@@ -1,0 +1,146 @@
+"""Token-budget scheduler (vLLM v1 style): running requests first, then waiting ones; prefill
+chunks and decodes share one step; preemption by recompute when KV blocks run out."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvserve.config import SchedulerConfig
+from kvserve.engine.kv_cache import KVCacheManager
+from kvserve.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_computed_tokens: int  # tokens already in the KV cache before this step
+    num_new_tokens: int  # tokens computed this step
+    block_ids: list[int]
+
+    @property
+    def samples(self) -> bool:
+        """True when this step reaches the end of the known tokens, so a new token is sampled."""
+        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def total_num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        out = SchedulerOutput()
+        plan: list[tuple[Request, int, int]] = []
+
+        # 1. Running requests, in order; the last one is preempted when blocks run out.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            while not self.kv.allocate_slots(req, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                plan.append((req, req.num_computed_tokens, num_new))
+                budget -= num_new
+                i += 1
+                continue
+            break  # the request itself was preempted
+
+        # 2. Waiting requests, FCFS, while there is budget, room and no preemption this step.
+        if not out.preempted:
+            while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+                req = self.waiting[0]
+                hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+                num_new = req.num_tokens - num_hit_tokens
+                if num_new > budget and not cfg.enable_chunked_prefill:
+                    break
+                num_new = min(num_new, budget)
+                if not self.kv.allocate_slots(req, num_new, hits):
+                    break
+                self.waiting.popleft()
+                if req.num_cached_tokens < 0:
+                    req.num_cached_tokens = num_hit_tokens
+                req.num_computed_tokens = num_hit_tokens
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                plan.append((req, num_hit_tokens, num_new))
+                budget -= num_new
+
+        for req, num_computed, num_new in plan:
+            out.scheduled.append(
+                ScheduledRequest(req, num_computed, num_new, self.kv.get_block_ids(req.request_id))
+            )
+            req.num_computed_tokens = num_computed + num_new
+        return out
+
+    def finish_request(self, request: Request, status: RequestStatus) -> None:
+        """Finish (stop, length, abort) a request wherever it is; frees its blocks at once."""
+        if request.is_finished:
+            return
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            try:
+                self.waiting.remove(request)
+            except ValueError:
+                pass
+        request.status = status
+        self.kv.free(request)
+        self.requests.pop(request.request_id, None)
+
+    def abort(self, request_id: str) -> Request | None:
+        req = self.requests.get(request_id)
+        if req is not None:
+            self.finish_request(req, RequestStatus.FINISHED_ABORTED)
+        return req
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)

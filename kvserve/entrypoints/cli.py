@@ -1,0 +1,150 @@
+"""The ``kvserve`` command: generate, chat, parity."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from kvserve.config import DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="local HF checkpoint folder (default: SmolLM2-135M-Instruct)")
+    g.add_argument("--tokenizer", default=None)
+    g.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
+    g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=None)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes (CPU default: VLLM_CPU_KVCACHE_SPACE GiB or 4 GiB)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--device", default="auto")
+
+
+def _llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    keys = (
+        "model tokenizer dtype kv_cache_dtype block_size max_model_len max_num_seqs "
+        "max_num_batched_tokens enable_prefix_caching enable_chunked_prefill kv_cache_memory "
+        "gpu_memory_utilization num_gpu_blocks_override seed device"
+    ).split()
+    return {k: getattr(args, k) for k in keys}
+
+
+def _sampling_params(args: argparse.Namespace, **overrides: Any) -> Any:
+    from kvserve import SamplingParams
+
+    kw = dict(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        seed=args.sampling_seed,
+    )
+    kw.update(overrides)
+    return SamplingParams(**kw)
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, temperature: float) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=temperature)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from kvserve import LLM
+
+    params = _sampling_params(args)  # validate before loading the model
+    llm = LLM(**_llm_kwargs(args))
+    if args.chat:
+        prompts = [{"prompt_token_ids": llm.apply_chat_template([{"role": "user", "content": p}])} for p in args.prompt]
+    else:
+        prompts = list(args.prompt)
+    outputs = llm.generate(prompts, params, use_tqdm=not args.json)
+    for prompt, out in zip(args.prompt, outputs):
+        c = out.outputs[0]
+        if args.json:
+            rec = {
+                "prompt": prompt,
+                "prompt_token_ids": out.prompt_token_ids,
+                "output_token_ids": list(c.token_ids),
+                "text": c.text,
+                "finish_reason": c.finish_reason,
+            }
+            print(json.dumps(rec, ensure_ascii=False), flush=True)
+        else:
+            print(f"\n>>> {prompt}\n{c.text}\n[finish_reason={c.finish_reason}, {len(c.token_ids)} tokens]", flush=True)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from kvserve.entrypoints.chat import run_chat
+
+    return run_chat(args, _llm_kwargs(args), _sampling_params(args))
+
+
+def cmd_parity(args: argparse.Namespace) -> int:
+    from kvserve.tools.parity import format_table, run_parity, summary_line
+
+    kw = _llm_kwargs(args)
+    rows = run_parity(args.prompts, args.reference, kw, args.max_tokens, args.tie_margin)
+    print(format_table(rows))
+    line = summary_line(rows)
+    print(line, flush=True)
+    return 0 if all(r.status != "diverged" for r in rows) else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvserve", description="kvserve: a paged-KV LLM engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("generate", help="generate completions for prompts")
+    p.add_argument("prompt", nargs="+")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True, help="wrap prompts in the chat template")
+    p.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    _add_engine_args(p)
+    _add_sampling_args(p, temperature=0.0)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="interactive chat in the terminal (streams tokens)")
+    p.add_argument("--system", default=None, help="system message")
+    _add_engine_args(p)
+    _add_sampling_args(p, temperature=0.7)
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("parity", help="greedy token exactness against a reference file")
+    p.add_argument("--prompts", required=True)
+    p.add_argument("--reference", required=True)
+    p.add_argument("--tie-margin", type=float, default=0.01)
+    p.add_argument("--max-tokens", type=int, default=64)
+    _add_engine_args(p)
+    p.set_defaults(func=cmd_parity)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, TypeError, RuntimeError, OSError) as e:
+        sys.stdout.flush()
+        print(f"kvserve: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        sys.stdout.flush()
+        print("\nkvserve: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""Attention layer over the paged KV cache: stores this step's K/V, then attends."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kvserve.kernels import reference
+
+
+@dataclass
+class AttentionMetadata:
+    """Where this step's tokens go and what each sequence attends to (built by the runner)."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64, -1 = padding
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int64
+    query_lens: list[int]  # new tokens per sequence
+    seq_lens: list[int]  # context + new tokens per sequence
+
+
+class Attention(nn.Module):
+    """Multi-head / grouped-query attention of one layer; owns that layer's KV cache tensor."""
+
+    def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float, layer_idx: int):
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.num_kv_heads = num_kv_heads
+        self.scale = scale
+        self.layer_idx = layer_idx
+        self.kv_cache: torch.Tensor | None = None  # bound by the model runner
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q: [T, Hq, D], k/v: [T, Hk, D] -> [T, Hq * D]."""
+        assert self.kv_cache is not None, "KV cache not bound"
+        reference.store_kv(k, v, self.kv_cache, meta.slot_mapping)
+        out = reference.paged_attention(q, self.kv_cache, meta.block_tables, meta.query_lens, meta.seq_lens, self.scale)
+        return out.flatten(1)

@@ -1,0 +1,141 @@
+"""Llama-family decoder: Llama 2/3, SmolLM2, Qwen2 (qkv bias), Qwen3 (q/k RMSNorm)."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.layers.attention import Attention, AttentionMetadata
+from kvserve.layers.norm import RMSNorm
+from kvserve.layers.rotary import RotaryEmbedding, rope_parameters
+from kvserve.loader.weights import WeightLoader
+
+
+class LlamaAttentionBlock(nn.Module):
+    def __init__(self, cfg: Any, architecture: str, layer_idx: int, rope: RotaryEmbedding):
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_size = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_size
+        self.kv_size = self.num_kv_heads * self.head_size
+        bias = architecture == "Qwen2ForCausalLM" or bool(getattr(cfg, "attention_bias", False))
+        o_bias = bool(getattr(cfg, "attention_bias", False)) and architecture != "Qwen2ForCausalLM"
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.qkv_proj.shard_sizes = [self.q_size, self.kv_size, self.kv_size]
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=o_bias)
+        self.qk_norm = architecture == "Qwen3ForCausalLM"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_size, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_size, cfg.rms_norm_eps)
+        self.rotary_emb = rope
+        self.attn = Attention(self.num_heads, self.head_size, self.num_kv_heads, self.head_size**-0.5, layer_idx)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_size)
+        k = k.view(-1, self.num_kv_heads, self.head_size)
+        v = v.view(-1, self.num_kv_heads, self.head_size)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, meta))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: Any):
+        super().__init__()
+        bias = bool(getattr(cfg, "mlp_bias", False))
+        act = getattr(cfg, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported. Supported: ['silu']")
+        self.intermediate = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias)
+        self.gate_up_proj.shard_sizes = [cfg.intermediate_size, cfg.intermediate_size]
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: Any, architecture: str, layer_idx: int, rope: RotaryEmbedding):
+        super().__init__()
+        self.self_attn = LlamaAttentionBlock(cfg, architecture, layer_idx, rope)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: Any, architecture: str):
+        super().__init__()
+        head_size = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        rope = RotaryEmbedding(head_size, cfg.max_position_embeddings, rope_parameters(cfg))
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, architecture, i, rope) for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder + LM head; weights load by Hugging Face name (q/k/v and gate/up are fused here)."""
+
+    stacked_params = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: Any, architecture: str):
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg, architecture)
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        return F.linear(hidden, weight)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        loader = WeightLoader(self, self.stacked_params)
+        skip = ("rotary_emb.inv_freq",) + (("lm_head.weight",) if self.tie_word_embeddings else ())
+        for name, tensor in weights:
+            if name.endswith(skip):
+                continue
+            loader.load(name, tensor)
+        loader.finish()

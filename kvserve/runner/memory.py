@@ -1,0 +1,78 @@
+"""KV memory planner: bytes per page for the cache dtype, and how many pages the budget holds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.config import CacheConfig, ModelConfig
+from kvserve.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one block of one layer: K and V, block_size tokens."""
+        return 2 * self.block_size * self.num_kv_heads * self.head_size * self.dtype.itemsize
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block across all attention layers (what one block id costs)."""
+        return self.page_bytes * self.num_layers
+
+
+def kv_cache_torch_dtype(cache_config: CacheConfig, model_config: ModelConfig) -> torch.dtype:
+    name = cache_config.cache_dtype
+    if name == "auto":
+        return model_config.dtype
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
+
+
+def plan_num_blocks(spec: KVCacheSpec, budget_bytes: int, max_model_len: int, override: int | None = None) -> int:
+    """Blocks that fit the budget; errors when one max_model_len request would not fit."""
+    num_blocks = override if override is not None else budget_bytes // spec.block_bytes
+    needed = -(-max_model_len // spec.block_size)
+    if num_blocks < needed:
+        gib = 1 << 30
+        est_len = num_blocks * spec.block_size
+        raise ValueError(
+            f"To serve at least one request with the models's max seq len ({max_model_len}), "
+            f"({needed * spec.block_bytes / gib:.2f} GiB KV cache is needed, which is larger than "
+            f"the available KV cache memory ({budget_bytes / gib:.2f} GiB). Based on the available "
+            f"memory, the estimated maximum model length is {est_len}. Try increasing "
+            "`kv_cache_memory` (`gpu_memory_utilization` on GPU) or decreasing `max_model_len` "
+            "when initializing the engine."
+        )
+    return num_blocks
+
+
+def gpu_kv_budget(gpu_memory_utilization: float, peak_activation_bytes: int, device: torch.device) -> int:
+    """vLLM's rule: utilization x total memory, minus what is in use now, minus the activation peak."""
+    free, total = torch.cuda.mem_get_info(device)
+    used = total - free
+    return int(total * gpu_memory_utilization - used - peak_activation_bytes)
+
+
+def log_plan(spec: KVCacheSpec, num_blocks: int, max_model_len: int, device: torch.device) -> None:
+    tokens = num_blocks * spec.block_size
+    where = "GPU" if device.type == "cuda" else "CPU"
+    logger.info(
+        "KV cache: dtype=%s, %d layers x %d kv heads x head %d, block_size=%d -> %d bytes per block "
+        "(%d per layer page), %d blocks (%.2f GiB)",
+        str(spec.dtype).replace("torch.", ""), spec.num_layers, spec.num_kv_heads, spec.head_size,
+        spec.block_size, spec.block_bytes, spec.page_bytes, num_blocks, num_blocks * spec.block_bytes / (1 << 30),
+    )
+    logger.info("%s KV cache size: %s tokens", where, f"{tokens:,}")
+    logger.info(
+        "Maximum concurrency for %s tokens per request: %.2fx", f"{max_model_len:,}", tokens / max_model_len
+    )

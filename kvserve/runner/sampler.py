@@ -1,0 +1,95 @@
+"""Sampler: min_tokens, temperature, min_p, top-k, top-p, seeded sampling, logprobs (vLLM order)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.engine.sampling import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    params: SamplingParams
+    generator: torch.Generator | None
+    num_output_tokens: int
+
+
+@dataclass
+class SampleResult:
+    token_id: int
+    # [sampled, top-1, ..., top-N] ids and their raw log-probabilities, None when not requested
+    logprob_token_ids: list[int] | None = None
+    logprobs: list[float] | None = None
+    sampled_rank: int | None = None
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
+    """Mask logits outside the top-k / top-p sets (k = 0 or p = 1 leave a row as it is)."""
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    vocab = logits.shape[-1]
+    if k is not None:
+        kk = torch.where(k > 0, k, torch.full_like(k, vocab)).clamp(max=vocab)
+        kth = sorted_logits.gather(1, (vocab - kk).unsqueeze(1).long())
+        sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
+    if p is not None:
+        probs = sorted_logits.softmax(dim=-1)
+        cum = probs.cumsum(dim=-1)
+        mask = cum <= (1 - p).unsqueeze(1)
+        mask[:, -1] = False  # always keep the most likely token
+        sorted_logits.masked_fill_(mask, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
+        logits = logits.float()
+        raw_logprobs = None
+        if any(r.params.logprobs is not None for r in rows):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+
+        for i, r in enumerate(rows):
+            if r.num_output_tokens < r.params.min_tokens and r.params.all_stop_token_ids:
+                logits[i, list(r.params.all_stop_token_ids)] = float("-inf")
+
+        tokens = logits.argmax(dim=-1)  # greedy rows (ties: lowest id, as vLLM)
+        random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if random_rows:
+            idx = torch.tensor(random_rows, device=logits.device)
+            sub = logits[idx]
+            temps = torch.tensor([rows[i].params.temperature for i in random_rows], device=logits.device)
+            sub = sub / temps.unsqueeze(1)
+            min_p = torch.tensor([rows[i].params.min_p for i in random_rows], device=logits.device)
+            if bool((min_p > 0).any()):
+                probs = sub.softmax(dim=-1)
+                thresh = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+                sub = sub.masked_fill(probs < thresh, float("-inf"))
+            k = torch.tensor([rows[i].params.top_k for i in random_rows], device=logits.device)
+            p = torch.tensor([rows[i].params.top_p for i in random_rows], device=logits.device)
+            use_k, use_p = bool((k > 0).any()), bool((p < 1).any())
+            if use_k or use_p:
+                sub = _apply_top_k_top_p(sub, k if use_k else None, p if use_p else None)
+            probs = sub.softmax(dim=-1)
+            q = torch.empty_like(probs)
+            for j, i in enumerate(random_rows):
+                q[j].exponential_(generator=rows[i].generator)
+            tokens[idx] = probs.div(q).argmax(dim=-1)
+
+        token_list = tokens.tolist()
+        results = []
+        for i, r in enumerate(rows):
+            res = SampleResult(token_list[i])
+            n = r.params.logprobs
+            if n is not None and raw_logprobs is not None:
+                lp = raw_logprobs[i]
+                tok_lp = lp[token_list[i]]
+                ids, vals = [token_list[i]], [float(tok_lp)]
+                if n > 0:
+                    top_v, top_i = lp.topk(n)
+                    ids += top_i.tolist()
+                    vals += top_v.tolist()
+                res.logprob_token_ids, res.logprobs = ids, vals
+                res.sampled_rank = int((lp >= tok_lp).sum())  # vLLM: ties count against it
+            results.append(res)
+        return results
