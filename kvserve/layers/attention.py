@@ -18,6 +18,15 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int64
     query_lens: list[int]  # new tokens per sequence
     seq_lens: list[int]  # context + new tokens per sequence
+    block_size: int = 16
+    _plan: reference.AttentionPlan | None = None
+
+    @property
+    def plan(self) -> reference.AttentionPlan:
+        """Gather indices for the reference backend, built once per step for all layers."""
+        if self._plan is None:
+            self._plan = reference.plan_attention(self.block_tables, self.query_lens, self.seq_lens, self.block_size)
+        return self._plan
 
 
 class Attention(nn.Module):
@@ -36,5 +45,7 @@ class Attention(nn.Module):
         """q: [T, Hq, D], k/v: [T, Hk, D] -> [T, Hq * D]."""
         assert self.kv_cache is not None, "KV cache not bound"
         reference.store_kv(k, v, self.kv_cache, meta.slot_mapping)
-        out = reference.paged_attention(q, self.kv_cache, meta.block_tables, meta.query_lens, meta.seq_lens, self.scale)
+        out = reference.paged_attention(
+            q, self.kv_cache, meta.block_tables, meta.query_lens, meta.seq_lens, self.scale, meta.plan
+        )
         return out.flatten(1)

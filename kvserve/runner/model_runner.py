@@ -119,6 +119,7 @@ class ModelRunner:
             block_tables=torch.from_numpy(tables).to(dev),
             query_lens=query_lens,
             seq_lens=seq_lens,
+            block_size=bs,
         )
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         pos_t = torch.from_numpy(np.concatenate(positions)).to(dev)
