@@ -11,6 +11,7 @@ from kvserve.config import EngineArgs, EngineConfig
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.kv_cache import KVCacheManager
 from kvserve.engine.outputs import RequestOutput, RequestState
+from kvserve.engine.parallel_sampling import ParentRequest
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.sampling import SamplingParams
 from kvserve.engine.scheduler import Scheduler
@@ -53,6 +54,7 @@ class Engine:
         self.kv_manager = KVCacheManager(cc.num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler_config, self.kv_manager)
         self.states: dict[str, RequestState] = {}
+        self.parents: dict[str, ParentRequest] = {}
         self.vocab_size = max(config.model_config.vocab_size, len(self.tokenizer))
 
     @classmethod
@@ -77,7 +79,7 @@ class Engine:
 
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams) -> None:
         """Validate and queue a request; raises ValueError (and changes nothing) on bad input."""
-        if request_id in self.states:
+        if request_id in self.states or request_id in self.parents:
             raise ValueError(f"Request id {request_id!r} already exists.")
         prompt_text, ids = self.tokenize(prompt)
         max_len = self.config.model_config.max_model_len
@@ -99,28 +101,42 @@ class Engine:
                 raise ValueError(
                     f"Requested {kind} logprobs of {n}, which is greater than max allowed: {MAX_LOGPROBS}"
                 )
-        if params.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported by kvserve yet; leave it unset.")
-        if params.n > 1:
-            raise ValueError("n > 1 is not supported by kvserve yet; use n=1.")
         params = params.clone()
         if params.max_tokens is None:
             params.max_tokens = max_len - len(ids)
         params.update_from_generation_config(self.eos_token_id, self.extra_eos_ids)
+        if params.n == 1:
+            self._add_child(request_id, prompt_text, ids, params)
+            return
+        parent = ParentRequest(request_id, params)
+        self.parents[request_id] = parent
+        for index in range(params.n):
+            child_id, child_params = parent.child(index)
+            self._add_child(child_id, prompt_text, ids, child_params, index, parent)
 
-        request = Request(request_id, ids, params)
+    def _add_child(
+        self, request_id: str, prompt: str | None, ids: list[int], params: SamplingParams,
+        index: int = 0, parent: ParentRequest | None = None,
+    ) -> None:
         self.states[request_id] = RequestState(
             request_id=request_id,
-            prompt=prompt_text,
+            prompt=prompt,
             prompt_token_ids=ids,
             params=params,
             detokenizer=IncrementalDetokenizer(self.decoder, ids, params),
             tokenizer=self.decoder,
+            index=index,
+            parent=parent,
         )
-        self.scheduler.add_request(request)
+        self.scheduler.add_request(Request(request_id, ids, params))
 
     def abort_request(self, request_ids: str | list[str]) -> None:
-        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        for rid in list(ids):
+            parent = self.parents.pop(rid, None)
+            if parent is not None:
+                ids.extend(parent.children)
+        for rid in ids:
             if self.scheduler.abort(rid) is not None:
                 self.runner.remove_request(rid)
             self.states.pop(rid, None)
@@ -150,10 +166,12 @@ class Engine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
-        results = self.runner.execute(sched)
+        results, prompt_logprobs = self.runner.execute(sched)
         outputs: list[RequestOutput] = []
         for s in sched.scheduled:
             req = s.request
+            if req.request_id in prompt_logprobs:
+                self.states[req.request_id].add_prompt_logprobs(prompt_logprobs[req.request_id])
             res = results.get(req.request_id)
             if res is None:
                 continue  # a prefill chunk that did not reach the end of the prompt yet
@@ -175,4 +193,6 @@ class Engine:
             )
             if out is not None:
                 outputs.append(out)
+                if out.finished and state.parent is not None:
+                    self.parents.pop(state.parent.request_id, None)
         return outputs

@@ -58,25 +58,40 @@ class RequestState:
     params: SamplingParams
     detokenizer: IncrementalDetokenizer
     tokenizer: Any
+    index: int = 0  # position among the n completions of a parent request
+    parent: Any = None  # ParentRequest when n > 1
     token_ids: list[int] = field(default_factory=list)
     logprobs: SampleLogprobs | None = None
     cumulative_logprob: float | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     sent_tokens: int = 0  # for DELTA outputs
     sent_logprobs: int = 0
+    sent_prompt_logprobs: bool = False
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None:
             self.logprobs, self.cumulative_logprob = [], 0.0
 
+    def _entry(self, ids: list[int], values: list[float], rank: int) -> dict[int, Logprob]:
+        """The token first with its true rank, then the top-k at ranks 1..k (vLLM's dict)."""
+        entry: dict[int, Logprob] = {}
+        for tid, val, r in zip(ids, values, [rank] + list(range(1, len(ids)))):
+            decoded = self.tokenizer.decode([tid], skip_special_tokens=False) if self.params.detokenize else None
+            entry[tid] = Logprob(val, r, decoded)
+        return entry
+
     def add_logprobs(self, ids: list[int], values: list[float], rank: int) -> None:
         assert self.logprobs is not None and self.cumulative_logprob is not None
         self.cumulative_logprob += values[0]
-        ranks = [rank] + list(range(1, len(ids)))
-        entry: dict[int, Logprob] = {}
-        for tid, val, r in zip(ids, values, ranks):
-            decoded = self.tokenizer.decode([tid], skip_special_tokens=False) if self.params.detokenize else None
-            entry[tid] = Logprob(val, r, decoded)
-        self.logprobs.append(entry)
+        self.logprobs.append(self._entry(ids, values, rank))
+
+    def add_prompt_logprobs(self, rows: list[tuple[list[int], list[float], int]]) -> None:
+        """Rows for the next prompt positions; the first prompt token has no logprob (None)."""
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]
+        for ids, values, rank in rows:
+            if len(self.prompt_logprobs) < len(self.prompt_token_ids):  # a recompute after preemption adds nothing
+                self.prompt_logprobs.append(self._entry(ids, values, rank))
 
     def make_output(
         self, num_cached_tokens: int | None, finish_reason: str | None, stop_reason: int | str | None
@@ -98,7 +113,7 @@ class RequestState:
             token_ids = list(self.token_ids)
             logprobs = list(self.logprobs) if self.logprobs is not None else None
         completion = CompletionOutput(
-            index=0,
+            index=self.index,
             text=text,
             token_ids=token_ids,
             cumulative_logprob=self.cumulative_logprob,
@@ -106,12 +121,22 @@ class RequestState:
             finish_reason=finish_reason,
             stop_reason=stop_reason,
         )
+        prompt_logprobs = self.prompt_logprobs
+        if delta:
+            prompt_logprobs = None if self.sent_prompt_logprobs else prompt_logprobs
+            self.sent_prompt_logprobs = self.sent_prompt_logprobs or prompt_logprobs is not None
+        outputs, request_id = [completion], self.request_id
+        if self.parent is not None:
+            outputs, finished = self.parent.get_outputs(self.request_id, completion)
+            request_id = self.parent.request_id
+            if not outputs:
+                return None
         return RequestOutput(
-            request_id=self.request_id,
+            request_id=request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
-            prompt_logprobs=None,
-            outputs=[completion],
+            prompt_logprobs=prompt_logprobs,
+            outputs=outputs,
             finished=finished,
             num_cached_tokens=num_cached_tokens,
         )

@@ -15,7 +15,10 @@ from kvserve.loader.weights import iterate_weights
 from kvserve.logger import init_logger
 from kvserve.models.registry import build_model
 from kvserve.runner import memory
-from kvserve.runner.sampler import Sampler, SampleResult, SamplingRow
+from kvserve.runner.sampler import Sampler, SampleResult, SamplingRow, gather_logprobs
+
+PromptLogprobRows = list[tuple[list[int], list[float], int]]
+_PROMPT_LOGPROB_CHUNK = 512  # rows of full-vocabulary logits computed at once
 
 logger = init_logger(__name__)
 
@@ -126,13 +129,15 @@ class ModelRunner:
         return input_ids, pos_t, meta, logits_idx
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> dict[str, SampleResult]:
-        """Run one step; returns the sampled token of every request that reached its last known token."""
+    def execute(self, sched: SchedulerOutput) -> tuple[dict[str, SampleResult], dict[str, PromptLogprobRows]]:
+        """Run one step. Returns the sampled token of every request that reached its last known
+        token, and prompt logprobs for the prompt positions this step computed (when asked)."""
         input_ids, positions, meta, logits_idx = self.prepare(sched)
         hidden = self.model(input_ids, positions, meta)
+        prompt_lps = self._prompt_logprobs(sched, hidden)
         sampling = [s for s in sched.scheduled if s.samples]
         if not sampling:
-            return {}
+            return {}, prompt_lps
         logits = self.model.compute_logits(hidden[torch.tensor(logits_idx, device=self.device)])
         rows = [
             SamplingRow(
@@ -143,4 +148,23 @@ class ModelRunner:
             for s in sampling
         ]
         results = self.sampler(logits, rows)
-        return {s.request.request_id: r for s, r in zip(sampling, results)}
+        return {s.request.request_id: r for s, r in zip(sampling, results)}, prompt_lps
+
+    def _prompt_logprobs(self, sched: SchedulerOutput, hidden: torch.Tensor) -> dict[str, PromptLogprobRows]:
+        """Logprobs of prompt token p+1 given positions <= p, for the chunk's positions."""
+        out: dict[str, PromptLogprobRows] = {}
+        offset = 0
+        for s in sched.scheduled:
+            req, start, n = s.request, s.num_computed_tokens, s.num_new_tokens
+            num = req.sampling_params.prompt_logprobs
+            end = min(start + n, req.num_prompt_tokens - 1)  # last position that predicts a prompt token
+            if num is not None and req.num_output_tokens == 0 and end > start:
+                rows: PromptLogprobRows = []
+                for a in range(start, end, _PROMPT_LOGPROB_CHUNK):
+                    b = min(a + _PROMPT_LOGPROB_CHUNK, end)
+                    logits = self.model.compute_logits(hidden[offset + a - start : offset + b - start]).float()
+                    targets = req.prompt_token_ids[a + 1 : b + 1]
+                    rows += gather_logprobs(torch.log_softmax(logits, dim=-1), targets, num)
+                out[req.request_id] = rows
+            offset += n
+        return out

@@ -42,6 +42,28 @@ def _apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Te
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
+def gather_logprobs(
+    logprobs: torch.Tensor, token_ids: list[int], num: int
+) -> list[tuple[list[int], list[float], int]]:
+    """Per row: ([token, top-1..top-num] ids, their logprobs, the token's rank) — vLLM's layout;
+    rank counts the vocabulary entries whose logprob is >= the token's."""
+    tok = torch.tensor(token_ids, device=logprobs.device)
+    tok_lp = logprobs.gather(1, tok.unsqueeze(1))
+    ranks = (logprobs >= tok_lp).sum(dim=1).tolist()
+    tok_vals = tok_lp.squeeze(1).tolist()
+    if num > 0:
+        top_v, top_i = logprobs.topk(num, dim=1)
+        top_v, top_i = top_v.tolist(), top_i.tolist()
+    rows = []
+    for r, t in enumerate(token_ids):
+        ids, vals = [t], [tok_vals[r]]
+        if num > 0:
+            ids += top_i[r]
+            vals += top_v[r]
+        rows.append((ids, vals, ranks[r]))
+    return rows
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
         logits = logits.float()
@@ -77,19 +99,11 @@ class Sampler:
             tokens[idx] = probs.div(q).argmax(dim=-1)
 
         token_list = tokens.tolist()
-        results = []
-        for i, r in enumerate(rows):
-            res = SampleResult(token_list[i])
-            n = r.params.logprobs
-            if n is not None and raw_logprobs is not None:
-                lp = raw_logprobs[i]
-                tok_lp = lp[token_list[i]]
-                ids, vals = [token_list[i]], [float(tok_lp)]
-                if n > 0:
-                    top_v, top_i = lp.topk(n)
-                    ids += top_i.tolist()
-                    vals += top_v.tolist()
-                res.logprob_token_ids, res.logprobs = ids, vals
-                res.sampled_rank = int((lp >= tok_lp).sum())  # vLLM: ties count against it
-            results.append(res)
+        results = [SampleResult(t) for t in token_list]
+        if raw_logprobs is not None:
+            for i, r in enumerate(rows):
+                n = r.params.logprobs
+                if n is not None:
+                    (ids, vals, rank), = gather_logprobs(raw_logprobs[i : i + 1], [token_list[i]], n)
+                    results[i].logprob_token_ids, results[i].logprobs, results[i].sampled_rank = ids, vals, rank
         return results
