@@ -1,0 +1,120 @@
+"""Shared fixtures: tiny random HF checkpoints (Llama / Qwen2 / Qwen3) with a small trained
+byte-level BPE tokenizer, and the real default model (fetched once per machine)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paged attention stores keys and values in fixed-size blocks.",
+    "Le cœur a ses raisons que la raison ne connaît point. 日本語のテキスト。 Привет, мир! 🙂",
+    "def main():\n    return 42\n",
+] * 20
+
+
+def _build_tokenizer(folder: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(_CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|im_start|>", unk_token="<|endoftext|>"
+    )
+    fast.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    fast.save_pretrained(folder)
+
+
+TINY_ARCHS = ("llama", "qwen2", "qwen3")
+
+
+def _tiny_config(arch: str, **overrides):
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    common = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    )
+    common.update(overrides)
+    if arch == "llama":
+        common.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": 10000.0})
+        return LlamaConfig(**common)
+    if arch == "qwen2":
+        return Qwen2Config(**common)
+    if arch == "qwen3":
+        common.setdefault("head_dim", 32)
+        return Qwen3Config(**common)
+    raise ValueError(arch)
+
+
+@pytest.fixture(scope="session")
+def make_tiny_model(tmp_path_factory) -> Callable[..., Path]:
+    """``make_tiny_model(arch, seed=0, **config_overrides) -> folder`` with config, fp32 safetensors,
+    tokenizer. Weights are random (std 0.2 so logits are not flat), never zeros. Cached per args."""
+    from transformers import AutoModelForCausalLM
+
+    cache: dict[str, Path] = {}
+
+    def make(arch: str = "llama", seed: int = 0, **overrides) -> Path:
+        key = json.dumps([arch, seed, overrides], sort_keys=True, default=str)
+        if key in cache:
+            return cache[key]
+        folder = tmp_path_factory.mktemp(f"tiny-{arch}")
+        torch.manual_seed(seed)
+        cfg = _tiny_config(arch, **overrides)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() > 1:
+                    p.normal_(0.0, 0.2)
+                else:
+                    p.normal_(1.0, 0.1)
+        model.save_pretrained(folder)
+        _build_tokenizer(folder)
+        cache[key] = folder
+        return folder
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> Path:
+    """The real SmolLM2-135M-Instruct folder (converted once into the kvserve cache)."""
+    from kvserve.loader.default_model import ensure_default_model
+
+    return ensure_default_model()
+
+
+@pytest.fixture(scope="session")
+def shared_eval() -> Path:
+    """The golden prompt sets beside the repository (../shared/eval)."""
+    here = Path(__file__).resolve().parents[1]
+    path = here.parent / "shared" / "eval"
+    if not path.is_dir():
+        pytest.skip(f"shared eval folder not found at {path}")
+    return path
