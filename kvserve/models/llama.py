@@ -102,6 +102,30 @@ class LlamaModel(nn.Module):
         return x
 
 
+def sliding_window_layers(cfg: Any) -> list[int]:
+    """Layers that Hugging Face runs with sliding-window attention for this config (none for Llama)."""
+    window = getattr(cfg, "sliding_window", None)
+    if not window:
+        return []
+    types = getattr(cfg, "layer_types", None)
+    if types is not None:
+        return [i for i, t in enumerate(types) if t == "sliding_attention"]
+    if getattr(cfg, "use_sliding_window", False):  # transformers 4 configs have no layer_types
+        return list(range(getattr(cfg, "max_window_layers", 0), cfg.num_hidden_layers))
+    return []
+
+
+def check_supported(cfg: Any) -> None:
+    """Refuse configs whose attention kvserve would silently compute differently."""
+    layers = sliding_window_layers(cfg)
+    if layers and cfg.sliding_window < cfg.max_position_embeddings:
+        raise ValueError(
+            f"Sliding-window attention (sliding_window={cfg.sliding_window} on layers {layers}) is not "
+            "supported by kvserve: every layer attends to the full context. Use a checkpoint with "
+            "use_sliding_window=false."
+        )
+
+
 class LlamaForCausalLM(nn.Module):
     """Decoder + LM head; weights load by Hugging Face name (q/k/v and gate/up are fused here)."""
 
@@ -115,6 +139,7 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, cfg: Any, architecture: str):
         super().__init__()
+        check_supported(cfg)
         self.config = cfg
         self.model = LlamaModel(cfg, architecture)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
