@@ -101,6 +101,12 @@ class Engine:
                 raise ValueError(
                     f"Requested {kind} logprobs of {n}, which is greater than max allowed: {MAX_LOGPROBS}"
                 )
+        bad_stop = [t for t in params.stop_token_ids or [] if t >= self.vocab_size]
+        if bad_stop:
+            raise ValueError(
+                f"token_id(s) {bad_stop} in stop_token_ids contain out-of-vocab token ids. "
+                f"Vocabulary size: {self.vocab_size}"
+            )
         params = params.clone()
         if params.max_tokens is None:
             params.max_tokens = max_len - len(ids)

@@ -74,10 +74,17 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue[block.block_id] = block
 
-    def cache_block(self, block: KVBlock, block_hash: bytes) -> None:
+    def cache_block(self, block: KVBlock, block_hash: bytes) -> bool:
+        """Enter a full block into the prefix cache; False if caching is off or the hash is taken."""
         if self.enable_caching and block.block_hash is None and block_hash not in self.cached:
             block.block_hash = block_hash
             self.cached[block_hash] = block
+            return True
+        return False
+
+    def uncache(self, block: KVBlock) -> None:
+        """Drop a block's hash (its K/V cannot be trusted); the block itself stays where it is."""
+        self._evict(block)
 
     def lookup(self, block_hash: bytes) -> KVBlock | None:
         return self.cached.get(block_hash)
@@ -100,6 +107,11 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
         self._num_cached_blocks: dict[str, int] = {}
+        # Blocks are entered into the prefix cache when their slots are allocated, i.e. before the
+        # step that writes their K/V has run (vLLM does the same; it lets a request admitted later
+        # in the same step hit them). Until the next step begins they are "unconfirmed": should
+        # that step fail, ``uncache_unconfirmed`` takes them out again.
+        self._unconfirmed: dict[str, list[KVBlock]] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
 
@@ -160,13 +172,25 @@ class KVCacheManager:
         start = self._num_cached_blocks.get(request.request_id, 0)
         end = num_tokens // self.block_size
         for i in range(start, end):
-            self.pool.cache_block(blocks[i], request.block_hashes[i])
+            if self.pool.cache_block(blocks[i], request.block_hashes[i]):
+                self._unconfirmed.setdefault(request.request_id, []).append(blocks[i])
         self._num_cached_blocks[request.request_id] = max(start, end)
+
+    def confirm_cached_blocks(self) -> None:
+        """The previous step ran to completion: the blocks it cached hold valid K/V."""
+        self._unconfirmed.clear()
+
+    def uncache_unconfirmed(self, request: Request) -> None:
+        """Take the blocks this request cached for the step not yet confirmed out of the prefix
+        cache (the step may never have written them). Call before ``free``."""
+        for block in self._unconfirmed.pop(request.request_id, []):
+            self.pool.uncache(block)
 
     def free(self, request: Request) -> None:
         """Release all of a request's blocks, tail first (so a prefix outlives its suffix in the cache)."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self._num_cached_blocks.pop(request.request_id, None)
+        self._unconfirmed.pop(request.request_id, None)
         self.pool.free(list(reversed(blocks)))
 
     def get_block_ids(self, request_id: str) -> list[int]:

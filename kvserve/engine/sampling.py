@@ -59,8 +59,10 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.seed == -1:
             self.seed = None
-        if self.top_k == -1:
-            self.top_k = 0  # vLLM accepts -1 as "disabled"
+        if self.logprobs is True:
+            self.logprobs = 1
+        if self.prompt_logprobs is True:
+            self.prompt_logprobs = 1
         if 0 < self.temperature < _MAX_TEMP:
             logger.warning(
                 "temperature %s is less than %s, which may cause numerical errors nan or inf in "
@@ -92,7 +94,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
-        if self.top_k < 0:
+        # quietly accept -1 as disabled (kept as given, like vLLM), but prefer 0
+        if self.top_k < -1:
             raise ValueError(f"top_k must be 0 (disable), or at least 1, got {self.top_k}.")
         if not isinstance(self.top_k, int):
             raise TypeError(f"top_k must be an integer, got {type(self.top_k).__name__}")

@@ -64,6 +64,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         cfg = self.config
+        # Being asked for a new step means the previous one completed: its cached blocks are valid.
+        self.kv.confirm_cached_blocks()
         budget = cfg.max_num_batched_tokens
         out = SchedulerOutput()
         plan: list[tuple[Request, int, int]] = []
@@ -128,6 +130,12 @@ class Scheduler:
             except ValueError:
                 pass
         request.status = status
+        if status == RequestStatus.FINISHED_ABORTED:
+            # An abort before the next step may follow a step that failed or was interrupted
+            # (Ctrl-C) before writing this request's new K/V: keep those blocks out of the prefix
+            # cache, or a later request sharing the prefix would read garbage. (After a step that
+            # did complete, this only forgoes caching that one step's blocks of an aborted request.)
+            self.kv.uncache_unconfirmed(request)
         self.kv.free(request)
         self.requests.pop(request.request_id, None)
 

@@ -144,6 +144,8 @@ class ModelRunner:
                 s.request.sampling_params,
                 self._generator(s.request.request_id, s.request.sampling_params.seed),
                 s.request.num_output_tokens,
+                s.request.prompt_token_ids,
+                s.request.output_token_ids,
             )
             for s in sampling
         ]

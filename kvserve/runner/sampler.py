@@ -1,4 +1,6 @@
-"""Sampler: min_tokens, temperature, min_p, top-k, top-p, seeded sampling, logprobs (vLLM order)."""
+"""Sampler: min_tokens, penalties, temperature, min_p, top-k, top-p, seeded sampling, logprobs
+(vLLM V1 order: raw logprobs first, then min_tokens masking and penalties on every row, then, for
+random rows only, temperature, min_p, top-k/top-p and the exponential-race draw)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,15 @@ class SamplingRow:
     params: SamplingParams
     generator: torch.Generator | None
     num_output_tokens: int
+    # needed only for presence/frequency (output ids) and repetition (prompt + output ids)
+    # penalties; a row with non-default penalties but without these ids is sampled unpenalized
+    prompt_token_ids: list[int] | None = None
+    output_token_ids: list[int] | None = None
+
+    @property
+    def has_penalties(self) -> bool:
+        p = self.params
+        return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
 
 
 @dataclass
@@ -64,16 +75,50 @@ def gather_logprobs(
     return rows
 
 
+def _token_counts(ids: list[int] | None, vocab: int, device: torch.device) -> torch.Tensor:
+    counts = torch.zeros(vocab + 1, dtype=torch.float32, device=device)
+    if ids:
+        t = torch.tensor(ids, dtype=torch.long, device=device).clamp(0, vocab)  # out of vocab -> pad bin
+        counts.scatter_add_(0, t, torch.ones_like(t, dtype=torch.float32))
+    return counts[:vocab]
+
+
+def _apply_penalties(row_logits: torch.Tensor, r: SamplingRow) -> None:
+    """vLLM's ``apply_penalties`` on one row, in place: repetition penalty on every token seen in
+    the prompt or the output (divide positive logits, multiply negative ones), then OpenAI's
+    frequency (x output count) and presence (x seen in output) penalties."""
+    vocab, dev, p = row_logits.shape[-1], row_logits.device, r.params
+    out_counts = _token_counts(r.output_token_ids, vocab, dev)
+    out_mask = out_counts > 0
+    if p.repetition_penalty != 1.0:
+        seen = out_mask | (_token_counts(r.prompt_token_ids, vocab, dev) > 0)
+        pen = torch.where(seen, torch.full_like(row_logits, p.repetition_penalty), torch.ones_like(row_logits))
+        row_logits.copy_(torch.where(row_logits > 0, row_logits / pen, row_logits * pen))
+    if p.frequency_penalty != 0.0:
+        row_logits.sub_(p.frequency_penalty * out_counts)
+    if p.presence_penalty != 0.0:
+        row_logits.sub_(p.presence_penalty * out_mask.float())
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
+        src = logits
         logits = logits.float()
         raw_logprobs = None
         if any(r.params.logprobs is not None for r in rows):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
 
+        vocab = logits.shape[-1]
         for i, r in enumerate(rows):
-            if r.num_output_tokens < r.params.min_tokens and r.params.all_stop_token_ids:
-                logits[i, list(r.params.all_stop_token_ids)] = float("-inf")
+            mask_stop = r.num_output_tokens < r.params.min_tokens and r.params.all_stop_token_ids
+            penalize = r.has_penalties and (r.prompt_token_ids is not None or r.output_token_ids is not None)
+            if (mask_stop or penalize) and logits is src:
+                logits = logits.clone()  # never modify the caller's tensor
+            if mask_stop:
+                stop_ids = [t for t in r.params.all_stop_token_ids if 0 <= t < vocab]
+                logits[i, stop_ids] = float("-inf")
+            if penalize:
+                _apply_penalties(logits[i], r)
 
         tokens = logits.argmax(dim=-1)  # greedy rows (ties: lowest id, as vLLM)
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
