@@ -106,15 +106,11 @@ def test_prompt_of_the_wrong_type(llm):
     assert_idle(engine)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG engine.tokenize: a dict with neither 'prompt' nor "
-                   "'prompt_token_ids' raises a bare KeyError('prompt') instead of the 'Invalid prompt' ValueError")
 def test_prompt_dict_without_known_keys(llm):
     with pytest.raises(ValueError, match="Invalid prompt"):
         llm.generate({"text": "hi"}, greedy(), use_tqdm=False)  # type: ignore[arg-type]
 
 
-@pytest.mark.xfail(strict=True, reason="BUG engine.add_request: non-integer token ids (e.g. 1.5) pass "
-                   "validation and are silently truncated by the runner (earlier: crashed engine.step())")
 def test_non_integer_token_id_is_rejected_at_add_time(llm):
     engine = llm.llm_engine
     try:
@@ -328,9 +324,6 @@ def test_missing_tensor_is_named(ckpt, name):
     assert name in str(e.value)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG loader/weights.py: a missing q/k/v or gate/up shard is reported "
-                   "by the fused parameter name ('...qkv_proj.weight (shards [1])'), not by the checkpoint "
-                   "tensor the user must look for ('...k_proj.weight')")
 def test_missing_fused_shard_names_the_checkpoint_tensor(ckpt):
     _edit_weights(ckpt, lambda sd: sd.pop("model.layers.0.self_attn.k_proj.weight"))
     with pytest.raises(ValueError, match="missing") as e:

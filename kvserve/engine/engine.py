@@ -64,17 +64,20 @@ class Engine:
     # ---- requests -------------------------------------------------------------------------
     def tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         """Prompt text (None for token prompts) and its token ids."""
+        text: str | None = None
+        ids: Any = prompt
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            prompt = prompt["prompt"]
-        if isinstance(prompt, str):
-            return prompt, list(self.tokenizer(prompt).input_ids)
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            return None, list(prompt)
+                text, ids = prompt.get("prompt"), prompt["prompt_token_ids"]
+            elif isinstance(prompt.get("prompt"), str):
+                ids = prompt["prompt"]
+        if isinstance(ids, str):
+            return ids, list(self.tokenizer(ids).input_ids)
+        if isinstance(ids, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            return text, list(ids)
         raise ValueError(
-            f"Invalid prompt {prompt!r}: expected a string, a list of token ids, or a dict with "
-            "'prompt' or 'prompt_token_ids'."
+            f"Invalid prompt {prompt!r}: expected a string, a list of int token ids, or a dict with "
+            "'prompt' (str) or 'prompt_token_ids' (list of int)."
         )
 
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams) -> None:
@@ -172,7 +175,13 @@ class Engine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
-        results, prompt_logprobs = self.runner.execute(sched)
+        try:
+            results, prompt_logprobs = self.runner.execute(sched)
+        except BaseException:
+            # The step's KV was not written: its requests cannot go on. Abort them (their blocks
+            # and not-yet-confirmed prefix-cache entries are released) and let the caller decide.
+            self.abort_request([s.request.request_id for s in sched.scheduled])
+            raise
         outputs: list[RequestOutput] = []
         for s in sched.scheduled:
             req = s.request

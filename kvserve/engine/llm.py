@@ -69,10 +69,10 @@ class LLM:
         use_tqdm: bool | Callable[..., Any] = True,
     ) -> list[RequestOutput]:
         """Run prompts (text, token-id lists or ``{"prompt_token_ids": [...]}``) to completion."""
-        if isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
+        if not isinstance(prompts, (list, tuple)) or (
+            prompts and all(isinstance(t, int) for t in prompts)
         ):
-            prompts = [prompts]  # type: ignore[list-item]
+            prompts = [prompts]  # type: ignore[list-item]  # one prompt; add_request validates it
         prompts = list(prompts)  # type: ignore[arg-type]
         if sampling_params is None:
             sampling_params = SamplingParams()

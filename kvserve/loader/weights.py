@@ -85,16 +85,29 @@ class WeightLoader:
         dest.copy_(tensor.to(dest.dtype))
         self.loaded.add((target, shard))
 
+    def _checkpoint_names(self, pname: str, shards: list[int]) -> list[str]:
+        """The checkpoint tensor names that fill ``shards`` of a (possibly fused) parameter."""
+        if shards == [-1]:
+            return [pname]
+        names = []
+        for sub, (fused, idx) in self.stacked.items():
+            if idx in shards and f".{fused}." in pname:
+                names.append(pname.replace(f".{fused}.", f".{sub}."))
+        return names
+
     def finish(self) -> None:
-        missing = []
+        missing: list[str] = []
+        reported = {m.split(":", 1)[0] for m in self.misshaped}
         for pname in self.params:
             shards = [s for (t, s) in self.loaded if t == pname]
-            if not shards:
-                missing.append(pname)
-            elif shards != [-1]:
+            if hasattr(self.model.get_submodule(pname.rsplit(".", 1)[0]), "shard_sizes") and pname.endswith(
+                (".weight", ".bias")
+            ) and shards != [-1]:
                 n = len(self._shard_sizes(pname))
-                if sorted(shards) != list(range(n)):
-                    missing.append(f"{pname} (shards {sorted(set(range(n)) - set(shards))})")
+                absent = sorted(set(range(n)) - set(shards))
+            else:
+                absent = [] if shards else [-1]
+            missing += [m for m in self._checkpoint_names(pname, absent) if m not in reported]
         problems = []
         if self.misshaped:
             problems.append("mis-shaped tensors: " + "; ".join(self.misshaped[:10]))
