@@ -120,8 +120,11 @@ def paged_attention(
         k = cache_rows.index_select(0, k_rows).float().transpose(0, 1).unsqueeze(0)
         v = cache_rows.index_select(0, k_rows + block_size).float().transpose(0, 1).unsqueeze(0)
         q = query[start : start + n].float().transpose(0, 1).unsqueeze(0)
-        q_pos = torch.arange(seq_len - n, seq_len, device=query.device).unsqueeze(1)
-        mask = torch.arange(seq_len, device=query.device).unsqueeze(0) <= q_pos
-        o = _attend(q, k, v, mask, scale)
+        if n == seq_len:  # no cached context: plain causal (lets SDPA take its fused path)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+        else:
+            q_pos = torch.arange(seq_len - n, seq_len, device=query.device).unsqueeze(1)
+            mask = torch.arange(seq_len, device=query.device).unsqueeze(0) <= q_pos
+            o = _attend(q, k, v, mask, scale)
         out[start : start + n] = o.squeeze(0).transpose(0, 1).to(query.dtype)
     return out
