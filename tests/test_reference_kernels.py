@@ -347,3 +347,19 @@ def test_one_plan_shared_by_layers(device):
             expected = dense_attention(query[start : start + n].cpu(), ks[i], vs[i], ctx, 0.125)
             torch.testing.assert_close(out[start : start + n].cpu().double(), expected, **TOL[torch.float32])
             start += n
+
+
+def test_decode_groups_bound_padding_and_cover_every_row():
+    """Decodes are grouped by context length: every decode row lands in exactly one group, and a
+    group pads to at most 1.3x its shortest context (a 2k-token row does not pad 20 short ones)."""
+    seq_lens = [5, 1900, 6, 7, 300, 1890, 310, 40, 1]
+    query_lens = [1] * len(seq_lens)
+    tables = torch.arange(len(seq_lens) * 120).view(len(seq_lens), 120)
+    plan = reference.plan_attention(tables, query_lens, seq_lens, 16)
+    rows = sorted(r for g in plan.decodes for r in g.rows.tolist())
+    assert rows == list(range(len(seq_lens)))
+    for g in plan.decodes:
+        lens = [seq_lens[r] for r in g.rows.tolist()]
+        assert g.k_rows.shape[1] == max(lens) <= 1.3 * min(lens)
+        assert (g.mask == 0).sum().item() == sum(lens)  # one visible key per real position
+    assert len(plan.decodes) >= 4

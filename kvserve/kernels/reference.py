@@ -27,13 +27,24 @@ def store_kv(
 
 
 @dataclass
+class DecodeGroup:
+    """Decode sequences of similar context length, attended in one padded call."""
+
+    rows: torch.Tensor  # [B] query rows
+    k_rows: torch.Tensor  # [B, L] cache row of each context key (padding: position 0's row)
+    mask: torch.Tensor  # [B, 1, 1, L] additive: 0 where the key is real, -inf on padding
+
+
+@dataclass
 class AttentionPlan:
     """Gather indices for one step, shared by every layer (built once per step)."""
 
-    decode_rows: torch.Tensor  # [Bd] query rows of the decode sequences
-    decode_k_rows: torch.Tensor  # [Bd, L] cache row of each context key (padding: position 0's row)
-    decode_mask: torch.Tensor  # [Bd, 1, 1, L] True where the key is real
+    decodes: list[DecodeGroup]
     prefills: list[tuple[int, int, int, torch.Tensor]]  # (q_start, q_len, seq_len, K rows of positions)
+
+
+# A decode group's longest context is at most this many times its shortest, so padding stays small.
+_MAX_PAD_RATIO = 1.3
 
 
 def _k_rows(blocks: torch.Tensor, offsets: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -46,35 +57,43 @@ def _rows_view(kv_cache: torch.Tensor) -> torch.Tensor:
     return kv_cache.view(nb * 2 * bs, h, d)
 
 
+def _decode_group(
+    seqs: list[int], starts: list[int], block_tables: torch.Tensor, seq_lens: list[int], block_size: int
+) -> DecodeGroup:
+    device = block_tables.device
+    pos = torch.arange(max(seq_lens[i] for i in seqs), device=device).unsqueeze(0)
+    lens = torch.tensor([seq_lens[i] for i in seqs], device=device).unsqueeze(1)
+    real = pos < lens
+    safe_pos = torch.where(real, pos, torch.zeros_like(pos))
+    tables = block_tables[torch.tensor(seqs, device=device)]
+    k_rows = _k_rows(tables.gather(1, safe_pos // block_size), safe_pos % block_size, block_size)
+    mask = torch.zeros(real.shape, dtype=torch.float32, device=device).masked_fill_(~real, float("-inf"))
+    rows = torch.tensor([starts[i] for i in seqs], dtype=torch.long, device=device)
+    return DecodeGroup(rows, k_rows, mask[:, None, None, :])
+
+
 def plan_attention(
     block_tables: torch.Tensor, query_lens: list[int], seq_lens: list[int], block_size: int
 ) -> AttentionPlan:
-    device = block_tables.device
     starts = [0]
     for n in query_lens:
         starts.append(starts[-1] + n)
-    decode = [i for i, n in enumerate(query_lens) if n == 1]
-    max_len = max((seq_lens[i] for i in decode), default=1)
-    pos = torch.arange(max_len, device=device)
-    if decode:
-        lens = torch.tensor([seq_lens[i] for i in decode], device=device)
-        mask = pos.unsqueeze(0) < lens.unsqueeze(1)
-        safe_pos = torch.where(mask, pos.unsqueeze(0), torch.zeros_like(pos).unsqueeze(0))
-        tables = block_tables[torch.tensor(decode, device=device)]
-        rows = _k_rows(tables.gather(1, safe_pos // block_size), safe_pos % block_size, block_size)
-    else:
-        mask = torch.zeros(0, max_len, dtype=torch.bool, device=device)
-        rows = torch.zeros(0, max_len, dtype=torch.long, device=device)
+    # Decodes sorted by context length, cut into groups whose padding is bounded.
+    decode = sorted((i for i, n in enumerate(query_lens) if n == 1), key=lambda i: seq_lens[i])
+    groups: list[list[int]] = []
+    for i in decode:
+        if groups and seq_lens[i] <= _MAX_PAD_RATIO * seq_lens[groups[-1][0]]:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
     prefills = []
     for i, n in enumerate(query_lens):
         if n != 1:
-            p = torch.arange(seq_lens[i], device=device)
+            p = torch.arange(seq_lens[i], device=block_tables.device)
             k_rows = _k_rows(block_tables[i][p // block_size], p % block_size, block_size)
             prefills.append((starts[i], n, seq_lens[i], k_rows))
     return AttentionPlan(
-        decode_rows=torch.tensor([starts[i] for i in decode], dtype=torch.long, device=device),
-        decode_k_rows=rows,
-        decode_mask=mask[:, None, None, :],
+        decodes=[_decode_group(g, starts, block_tables, seq_lens, block_size) for g in groups],
         prefills=prefills,
     )
 
@@ -106,14 +125,14 @@ def paged_attention(
     out = torch.empty_like(query)
     cache_rows, block_size = _rows_view(kv_cache), kv_cache.shape[2]
 
-    # Decodes: one batched call over the padded contexts; padding keys are masked out.
-    if plan.decode_rows.numel():
-        b, length = plan.decode_k_rows.shape
-        flat = plan.decode_k_rows.flatten()
+    # Decodes: one padded call per group of similar lengths; padding keys are masked out.
+    for g in plan.decodes:
+        b, length = g.k_rows.shape
+        flat = g.k_rows.flatten()
         k = cache_rows.index_select(0, flat).float().view(b, length, *cache_rows.shape[1:]).transpose(1, 2)
         v = cache_rows.index_select(0, flat + block_size).float().view(b, length, *cache_rows.shape[1:]).transpose(1, 2)
-        q = query[plan.decode_rows].float().unsqueeze(2)  # [B, Hq, 1, D]
-        out[plan.decode_rows] = _attend(q, k, v, plan.decode_mask, scale).squeeze(2).to(query.dtype)
+        q = query[g.rows].float().unsqueeze(2)  # [B, Hq, 1, D]
+        out[g.rows] = _attend(q, k, v, g.mask, scale).squeeze(2).to(query.dtype)
 
     # Prefill chunks: one call each, causal with an offset for the cached context.
     for start, n, seq_len, k_rows in plan.prefills:
