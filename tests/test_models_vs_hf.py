@@ -27,13 +27,7 @@ KV_MEM = 1 << 22  # 4 MiB: hundreds of blocks for the tiny models
 _hf_cache: dict[tuple[str, torch.dtype], Any] = {}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one intra-op thread is much faster than two on a busy 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def hf_model(folder: Path, dtype: torch.dtype = torch.float32):
