@@ -31,6 +31,7 @@ class CompletionOutput:
     logprobs: SampleLogprobs | None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    lora_request: Any = None  # vLLM field; kvserve has no LoRA
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -45,7 +46,12 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: Any = None
+    lora_request: Any = None
+    encoder_prompt: str | None = None
+    encoder_prompt_token_ids: list[int] | None = None
     num_cached_tokens: int | None = None
+    multi_modal_placeholders: dict[str, Any] = field(default_factory=dict)
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 @dataclass
