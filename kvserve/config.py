@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -177,7 +177,6 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None
     seed: int = 0
     device: str = "auto"
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def create_engine_config(self) -> EngineConfig:
         from transformers import AutoConfig

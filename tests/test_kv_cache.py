@@ -468,6 +468,22 @@ def test_random_ops_keep_kv_contents_consistent(seed, enable_caching):
         for p in range(start, end):
             content[ids[p // BS] * BS + p % BS] = tuple(r.all_token_ids[: p + 1])
 
+    def admit(r: Request, max_new: int) -> None:
+        """Prefix-cache lookup + allocation; hits must already hold exactly this request's prefix."""
+        before = snapshot(kv, r)
+        hits, num_hit = kv.get_computed_blocks(r)
+        assert num_hit <= ((r.num_tokens - 1) // BS) * BS
+        num_new = min(r.num_tokens - num_hit, max_new)
+        if kv.allocate_slots(r, num_new, hits):
+            r.num_computed_tokens = num_hit + num_new
+            ids = kv.get_block_ids(r.request_id)
+            for p in range(num_hit):
+                assert content.get(ids[p // BS] * BS + p % BS) == tuple(r.all_token_ids[: p + 1])
+            write(r, num_hit, r.num_computed_tokens)
+            live[r.request_id] = r
+        else:
+            assert snapshot(kv, r)[:6] == before[:6]
+
     for _ in range(400):
         op = rng.random()
         if op < 0.3 or not live:
@@ -476,20 +492,7 @@ def test_random_ops_keep_kv_contents_consistent(seed, enable_caching):
             n = rng.randint(1, 20)
             tail = [rng.randrange(50) for _ in range(rng.choice([0, 0, 1, 3]))]
             r = make_req(f"r{counter}", base[:n] + tail)
-            before = snapshot(kv, r)
-            hits, num_hit = kv.get_computed_blocks(r)
-            assert num_hit <= ((r.num_tokens - 1) // BS) * BS
-            num_new = min(r.num_tokens - num_hit, rng.randint(1, 12))
-            if kv.allocate_slots(r, num_new, hits):
-                r.num_computed_tokens = num_hit + num_new
-                # hits must already hold exactly this request's prefix
-                for p in range(num_hit):
-                    ids = kv.get_block_ids(r.request_id)
-                    assert content.get(ids[p // BS] * BS + p % BS) == tuple(r.all_token_ids[: p + 1])
-                write(r, num_hit, r.num_computed_tokens)
-                live[r.request_id] = r
-            else:
-                assert snapshot(kv, r)[:6] == before[:6]
+            admit(r, rng.randint(1, 12))
         elif op < 0.75:
             r = rng.choice(list(live.values()))
             if r.num_computed_tokens == r.num_tokens:  # decode: sample a token first
@@ -509,17 +512,7 @@ def test_random_ops_keep_kv_contents_consistent(seed, enable_caching):
             r = live.pop(rng.choice(list(live)))
             kv.free(r)
             r.num_computed_tokens = 0
-            before = snapshot(kv, r)
-            hits, num_hit = kv.get_computed_blocks(r)
-            if kv.allocate_slots(r, r.num_tokens - num_hit, hits):
-                r.num_computed_tokens = r.num_tokens
-                for p in range(num_hit):
-                    ids = kv.get_block_ids(r.request_id)
-                    assert content.get(ids[p // BS] * BS + p % BS) == tuple(r.all_token_ids[: p + 1])
-                write(r, num_hit, r.num_tokens)
-                live[r.request_id] = r
-            else:
-                assert snapshot(kv, r)[:6] == before[:6]
+            admit(r, r.num_tokens)
         kv.check_invariants()
         for r in live.values():
             check_table(r)
