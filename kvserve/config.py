@@ -10,7 +10,15 @@ from typing import Any
 
 import torch
 
+from kvserve.choices import DTYPE_CHOICES
 from kvserve.logger import init_logger
+from kvserve.quant.kv_cache_dtype import (
+    KV_CACHE_DTYPE_CHOICES,
+    KVCacheDtype,
+    KVQuantConfig,
+    read_kv_quant_config,
+    resolve_kv_cache_dtype,
+)
 
 logger = init_logger(__name__)
 
@@ -21,8 +29,6 @@ _DTYPE_NAMES: dict[str, torch.dtype] = {
     "float": torch.float32,
     "float32": torch.float32,
 }
-DTYPE_CHOICES = ["auto", "half", "float16", "bfloat16", "float", "float32"]
-KV_CACHE_DTYPE_CHOICES = ["auto", "bfloat16", "float16"]
 
 GiB = 1 << 30
 # vLLM's CPU default when VLLM_CPU_KVCACHE_SPACE is unset or 0 is a fixed number of GiB.
@@ -64,7 +70,9 @@ class CacheConfig:
     """Paged KV cache: page geometry, dtype and memory budget."""
 
     block_size: int = 16
-    cache_dtype: str = "auto"
+    cache_dtype: str = "auto"  # resolved name: float32 | bfloat16 | float16 | fp8 | fp8_e4m3 | fp8_e5m2
+    kv_dtype: KVCacheDtype | None = None  # the resolved dtype with its origin and storage
+    kv_quant: KVQuantConfig = KVQuantConfig()  # the checkpoint's KV quantization (scale method)
     kv_cache_memory: int | None = None  # bytes (CPU, or an explicit override on GPU)
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
@@ -110,6 +118,29 @@ def _resolve_dtype(requested: str | torch.dtype, hf_config: Any, device: torch.d
         logger.warning("float16 is not supported on CPU, casting to bfloat16.")
         dtype = torch.bfloat16
     return dtype
+
+
+def _resolve_kv_cache_dtype(requested: str, model_dtype: torch.dtype, kv_quant: KVQuantConfig) -> KVCacheDtype:
+    """``--kv-cache-dtype`` against the checkpoint; logs the outcome once, with vLLM's lines."""
+    kv_dtype = resolve_kv_cache_dtype(requested, model_dtype, kv_quant)
+    if kv_dtype.name == "fp8_e5m2" and kv_quant.method is not None:
+        raise ValueError("fp8_e5m2 kv-cache is not supported with fp8 checkpoints.")
+    same_format = kv_quant.kv_cache_dtype is not None and kv_dtype.is_fp8 and kv_dtype.fp8_dtype == (
+        resolve_kv_cache_dtype(kv_quant.kv_cache_dtype, model_dtype, kv_quant).fp8_dtype
+    )
+    if requested != "auto" and kv_quant.kv_cache_dtype is not None and not same_format:
+        logger.warning(
+            "--kv-cache-dtype %s overrides the checkpoint's KV cache quantization (%s from %s).",
+            requested, kv_quant.kv_cache_dtype, kv_quant.source,
+        )
+    logger.info("kv_cache_dtype=%s (from %s)", kv_dtype.name, kv_dtype.origin)
+    if kv_dtype.is_fp8:
+        logger.info(
+            "Using %s data type to store kv cache. It reduces the GPU memory footprint and boosts the "
+            "performance. Meanwhile, it may cause accuracy drop without a proper scaling factor",
+            kv_dtype.name,
+        )
+    return kv_dtype
 
 
 def _derive_max_model_len(hf_config: Any, requested: int | None) -> int:
@@ -207,11 +238,8 @@ class EngineArgs:
         dtype = _resolve_dtype(self.dtype, hf_config, device)
         max_model_len = _derive_max_model_len(hf_config, self.max_model_len)
 
-        if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
-            raise ValueError(
-                f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported. "
-                f"Supported values: {KV_CACHE_DTYPE_CHOICES}"
-            )
+        kv_quant = read_kv_quant_config(path, raw)
+        kv_dtype = _resolve_kv_cache_dtype(self.kv_cache_dtype, dtype, kv_quant)
         if self.block_size <= 0 or self.block_size % 8 or self.block_size > 256:
             raise ValueError(
                 f"block_size must be a positive multiple of 8 up to 256, got {self.block_size}."
@@ -256,7 +284,9 @@ class EngineArgs:
             ),
             cache_config=CacheConfig(
                 block_size=self.block_size,
-                cache_dtype=self.kv_cache_dtype,
+                cache_dtype=kv_dtype.name,
+                kv_dtype=kv_dtype,
+                kv_quant=kv_quant,
                 kv_cache_memory=kv_bytes,
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 enable_prefix_caching=self.enable_prefix_caching,

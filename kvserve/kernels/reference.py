@@ -2,6 +2,8 @@
 
 KV cache per layer: ``[num_blocks, 2, block_size, num_kv_heads, head_size]`` (index 0 = K, 1 = V).
 Slot ``s`` lives in block ``s // block_size`` at offset ``s % block_size``; slot -1 is padding.
+fp8 caches are ``torch.uint8`` bytes: stored ``fp8(clamp(x_fp32 / scale, -max, max))`` (round to
+nearest even, saturating), read back as ``float32(q) * scale`` (vLLM's per-tensor convention).
 """
 
 from __future__ import annotations
@@ -12,18 +14,64 @@ import torch
 import torch.nn.functional as F
 
 
+@dataclass(frozen=True)
+class CacheQuant:
+    """How an fp8 cache maps to values: the fp8 format and the layer's per-tensor scales."""
+
+    fp8_dtype: torch.dtype  # torch.float8_e4m3fn or torch.float8_e5m2
+    fp8_max: float  # 448.0 (e4m3) or 57344.0 (e5m2): the store saturates here
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+
+
+def quantize_fp8(x: torch.Tensor, scale: float, fp8_dtype: torch.dtype, fp8_max: float) -> torch.Tensor:
+    """``fp8(clamp(float32(x) / scale, -max, max))`` as uint8 bytes (RNE; NaN stays NaN).
+
+    The scale is a device tensor so the division is a true one (CUDA turns division by a host
+    scalar into a multiplication by its reciprocal, which rounds differently)."""
+    divisor = torch.tensor(scale, dtype=torch.float32, device=x.device)
+    q = (x.float() / divisor).clamp_(-fp8_max, fp8_max)
+    return q.to(fp8_dtype).view(torch.uint8)
+
+
+def dequantize_fp8(q: torch.Tensor, scale: float, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """uint8 fp8 bytes -> ``float32(q) * scale``."""
+    return q.view(fp8_dtype).float() * scale
+
+
 def store_kv(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    quant: CacheQuant | None = None,
 ) -> None:
-    """Write ``key``/``value`` ([T, kv_heads, head]) into their slots; slot -1 writes nothing."""
+    """Write ``key``/``value`` ([T, kv_heads, head]) into their slots; slot -1 writes nothing.
+
+    A float cache takes the values cast to its dtype; a uint8 cache (``quant`` given) takes fp8
+    bytes, written through the uint8 view (CPU torch has no fp8 ``index_copy_``)."""
     block_size = kv_cache.shape[2]
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
     rows_k = _k_rows(slot_mapping // block_size, slot_mapping % block_size, block_size)
     rows = _rows_view(kv_cache)
-    rows.index_copy_(0, rows_k, key.to(kv_cache.dtype))
-    rows.index_copy_(0, rows_k + block_size, value.to(kv_cache.dtype))
+    if quant is None:
+        key, value = key.to(kv_cache.dtype), value.to(kv_cache.dtype)
+    else:
+        assert kv_cache.dtype == torch.uint8, "an fp8 cache is stored as uint8"
+        key = quantize_fp8(key, quant.k_scale, quant.fp8_dtype, quant.fp8_max)
+        value = quantize_fp8(value, quant.v_scale, quant.fp8_dtype, quant.fp8_max)
+    rows.index_copy_(0, rows_k, key)
+    rows.index_copy_(0, rows_k + block_size, value)
+
+
+def _read_rows(cache_rows: torch.Tensor, idx: torch.Tensor, quant: CacheQuant | None, scale_of: str) -> torch.Tensor:
+    """Gather cache rows as float32 (dequantized for fp8: ``float32(q) * scale``)."""
+    rows = cache_rows.index_select(0, idx)
+    if quant is None:
+        return rows.float()
+    return dequantize_fp8(rows, getattr(quant, scale_of), quant.fp8_dtype)
 
 
 @dataclass
@@ -113,12 +161,14 @@ def paged_attention(
     seq_lens: list[int],
     scale: float,
     plan: AttentionPlan | None = None,
+    quant: CacheQuant | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its cached context plus themselves.
 
     query: [T, Hq, D] (the tokens of all sequences back to back); sequence i owns ``query_lens[i]``
     tokens at positions ``seq_lens[i] - query_lens[i] .. seq_lens[i] - 1``. K/V are read from the
-    pages, softmax and accumulation run in float32; the result has the query's dtype.
+    pages (dequantized when ``quant`` is given), softmax and accumulation run in float32; the
+    query keeps its dtype until it is upcast; the result has the query's dtype.
     """
     if plan is None:
         plan = plan_attention(block_tables, query_lens, seq_lens, kv_cache.shape[2])
@@ -129,15 +179,15 @@ def paged_attention(
     for g in plan.decodes:
         b, length = g.k_rows.shape
         flat = g.k_rows.flatten()
-        k = cache_rows.index_select(0, flat).float().view(b, length, *cache_rows.shape[1:]).transpose(1, 2)
-        v = cache_rows.index_select(0, flat + block_size).float().view(b, length, *cache_rows.shape[1:]).transpose(1, 2)
+        k = _read_rows(cache_rows, flat, quant, "k_scale").view(b, length, *cache_rows.shape[1:]).transpose(1, 2)
+        v = _read_rows(cache_rows, flat + block_size, quant, "v_scale").view(b, length, *cache_rows.shape[1:]).transpose(1, 2)
         q = query[g.rows].float().unsqueeze(2)  # [B, Hq, 1, D]
         out[g.rows] = _attend(q, k, v, g.mask, scale).squeeze(2).to(query.dtype)
 
     # Prefill chunks: one call each, causal with an offset for the cached context.
     for start, n, seq_len, k_rows in plan.prefills:
-        k = cache_rows.index_select(0, k_rows).float().transpose(0, 1).unsqueeze(0)
-        v = cache_rows.index_select(0, k_rows + block_size).float().transpose(0, 1).unsqueeze(0)
+        k = _read_rows(cache_rows, k_rows, quant, "k_scale").transpose(0, 1).unsqueeze(0)
+        v = _read_rows(cache_rows, k_rows + block_size, quant, "v_scale").transpose(0, 1).unsqueeze(0)
         q = query[start : start + n].float().transpose(0, 1).unsqueeze(0)
         if n == seq_len:  # no cached context: plain causal (lets SDPA take its fused path)
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])

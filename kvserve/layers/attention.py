@@ -1,4 +1,7 @@
-"""Attention layer over the paged KV cache: stores this step's K/V, then attends."""
+"""Attention layer over the paged KV cache: stores this step's K/V, then attends.
+
+Each layer owns its cache tensor and its per-tensor KV scales (``k_scale``, ``v_scale``; ``q_scale``
+and ``prob_scale`` are kept for vLLM parity but the reference read leaves the query unquantized)."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ import torch
 from torch import nn
 
 from kvserve.kernels import reference
+from kvserve.quant.kv_cache_dtype import KVCacheDtype
 
 
 @dataclass
@@ -40,12 +44,23 @@ class Attention(nn.Module):
         self.scale = scale
         self.layer_idx = layer_idx
         self.kv_cache: torch.Tensor | None = None  # bound by the model runner
+        self.k_scale = self.v_scale = self.q_scale = self.prob_scale = 1.0  # set after loading
+        self.cache_quant: reference.CacheQuant | None = None  # set by bind_kv_cache for fp8
+
+    def bind_kv_cache(self, kv_cache: torch.Tensor, kv_dtype: KVCacheDtype) -> None:
+        """Attach this layer's pages; an fp8 cache (uint8 bytes) also fixes the store/read scales."""
+        self.kv_cache = kv_cache
+        self.cache_quant = None
+        if kv_dtype.is_fp8:
+            assert kv_dtype.fp8_dtype is not None
+            self.cache_quant = reference.CacheQuant(kv_dtype.fp8_dtype, kv_dtype.fp8_max, self.k_scale, self.v_scale)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hk, D] -> [T, Hq * D]."""
         assert self.kv_cache is not None, "KV cache not bound"
-        reference.store_kv(k, v, self.kv_cache, meta.slot_mapping)
+        reference.store_kv(k, v, self.kv_cache, meta.slot_mapping, self.cache_quant)
         out = reference.paged_attention(
-            q, self.kv_cache, meta.block_tables, meta.query_lens, meta.seq_lens, self.scale, meta.plan
+            q, self.kv_cache, meta.block_tables, meta.query_lens, meta.seq_lens, self.scale, meta.plan,
+            self.cache_quant,
         )
         return out.flatten(1)

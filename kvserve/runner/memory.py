@@ -32,6 +32,9 @@ class KVCacheSpec:
 
 
 def kv_cache_torch_dtype(cache_config: CacheConfig, model_config: ModelConfig) -> torch.dtype:
+    """The cache tensor's dtype: the resolved float dtype, or uint8 bytes for fp8."""
+    if cache_config.kv_dtype is not None:
+        return cache_config.kv_dtype.storage_dtype
     name = cache_config.cache_dtype
     if name == "auto":
         return model_config.dtype
@@ -63,13 +66,15 @@ def gpu_kv_budget(gpu_memory_utilization: float, peak_activation_bytes: int, dev
     return int(total * gpu_memory_utilization - used - peak_activation_bytes)
 
 
-def log_plan(spec: KVCacheSpec, num_blocks: int, max_model_len: int, device: torch.device) -> None:
+def log_plan(
+    spec: KVCacheSpec, num_blocks: int, max_model_len: int, device: torch.device, dtype_name: str | None = None
+) -> None:
     tokens = num_blocks * spec.block_size
     where = "GPU" if device.type == "cuda" else "CPU"
     logger.info(
         "KV cache: dtype=%s, %d layers x %d kv heads x head %d, block_size=%d -> %d bytes per block "
         "(%d per layer page), %d blocks (%.2f GiB)",
-        str(spec.dtype).replace("torch.", ""), spec.num_layers, spec.num_kv_heads, spec.head_size,
+        dtype_name or str(spec.dtype).replace("torch.", ""), spec.num_layers, spec.num_kv_heads, spec.head_size,
         spec.block_size, spec.block_bytes, spec.page_bytes, num_blocks, num_blocks * spec.block_bytes / (1 << 30),
     )
     logger.info("%s KV cache size: %s tokens", where, f"{tokens:,}")

@@ -10,10 +10,11 @@ import torch
 
 from kvserve.config import EngineConfig
 from kvserve.engine.scheduler import SchedulerOutput
-from kvserve.layers.attention import AttentionMetadata
+from kvserve.layers.attention import Attention, AttentionMetadata
 from kvserve.loader.weights import iterate_weights
 from kvserve.logger import init_logger
 from kvserve.models.registry import build_model
+from kvserve.quant.kv_scales import KVScaleLoader
 from kvserve.runner import memory
 from kvserve.runner.sampler import Sampler, SampleResult, SamplingRow, gather_logprobs
 
@@ -29,6 +30,8 @@ class ModelRunner:
         mc, cc = config.model_config, config.cache_config
         self.device = config.device
         self.block_size = cc.block_size
+        assert cc.kv_dtype is not None, "CacheConfig.kv_dtype is set by EngineArgs.create_engine_config"
+        self.kv_dtype = cc.kv_dtype
         torch.manual_seed(mc.seed)
 
         t0 = time.perf_counter()
@@ -39,7 +42,10 @@ class ModelRunner:
                 self.model = build_model(mc.architecture, mc.hf_config)
         finally:
             torch.set_default_dtype(default_dtype)
-        self.model.load_weights(iterate_weights(mc.model))
+        attention = {name: m for name, m in self.model.named_modules() if isinstance(m, Attention)}
+        scales = KVScaleLoader(attention, cc.kv_quant)
+        self.model.load_weights(scales.filter(iterate_weights(mc.model)))
+        scales.finish(self.kv_dtype)
         self.model.eval()
         logger.info(
             "Loaded %s (%s) from %s in %.1f s", mc.architecture, str(mc.dtype).replace("torch.", ""),
@@ -58,14 +64,15 @@ class ModelRunner:
         else:
             budget = int(cc.kv_cache_memory or 0)
         cc.num_blocks = memory.plan_num_blocks(self.kv_spec, budget, mc.max_model_len, cc.num_gpu_blocks_override)
-        memory.log_plan(self.kv_spec, cc.num_blocks, mc.max_model_len, self.device)
+        memory.log_plan(self.kv_spec, cc.num_blocks, mc.max_model_len, self.device, self.kv_dtype.name)
         self.kv_caches = []
         for layer in self.model.attention_layers():
-            cache = torch.empty(
+            # Zero-filled like vLLM's byte buffers (an fp8 cache starts as +0.0).
+            cache = torch.zeros(
                 (cc.num_blocks, 2, cc.block_size, mc.num_kv_heads, mc.head_size),
                 dtype=self.kv_spec.dtype, device=self.device,
             )
-            layer.kv_cache = cache
+            layer.bind_kv_cache(cache, self.kv_dtype)
             self.kv_caches.append(cache)
 
         self.sampler = Sampler()
