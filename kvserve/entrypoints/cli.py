@@ -1,4 +1,4 @@
-"""The ``kvserve`` command: generate, chat, parity."""
+"""The ``kvserve`` command: generate, chat, parity, traffic."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from kvserve.config import DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES
+from kvserve.choices import DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -94,14 +94,27 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_parity(args: argparse.Namespace) -> int:
-    from kvserve.tools.parity import format_table, run_parity, summary_line
+    from kvserve.tools import parity
 
     kw = _llm_kwargs(args)
-    rows = run_parity(args.prompts, args.reference, kw, args.max_tokens, args.tie_margin)
-    print(format_table(rows))
-    line = summary_line(rows)
-    print(line, flush=True)
-    return 0 if all(r.status != "diverged" for r in rows) else 1
+    bounds = dict(min_agree=args.min_agree, max_p50=args.max_p50, max_p90=args.max_p90)
+    if not args.teacher_forced:
+        if any(v is not None for v in bounds.values()):
+            raise ValueError("--min-agree, --max-p50 and --max-p90 apply only with --teacher-forced")
+        rows = parity.run_parity(args.prompts, args.reference, kw, args.max_tokens, args.tie_margin)
+        print(parity.format_table(rows))
+        line = parity.summary_line(rows)
+        print(line, flush=True)
+        return 0 if all(r.status != "diverged" for r in rows) else 1
+    tf_rows = parity.run_teacher_forced(args.prompts, args.reference, kw)
+    summary = parity.summarize_teacher_forced(tf_rows)
+    print(parity.format_teacher_forced_table(tf_rows))
+    print(parity.format_teacher_forced_overall(summary))
+    failed = parity.check_bounds(summary, **bounds)
+    for msg in failed:
+        print(f"bound failed: {msg}")
+    print(parity.teacher_forced_line(summary), flush=True)
+    return 1 if failed else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -122,13 +135,22 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(p, temperature=0.7)
     p.set_defaults(func=cmd_chat)
 
-    p = sub.add_parser("parity", help="greedy token exactness against a reference file")
+    p = sub.add_parser("parity", help="greedy token exactness (or teacher-forced logprobs) against a reference file")
     p.add_argument("--prompts", required=True)
     p.add_argument("--reference", required=True)
-    p.add_argument("--tie-margin", type=float, default=0.01)
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--tie-margin", type=float, default=0.01, help="greedy mode: reference gap below which a divergence is a near-tie")
+    p.add_argument("--max-tokens", type=int, default=64, help="greedy mode: tokens generated per prompt")
+    p.add_argument("--teacher-forced", action="store_true",
+                   help="feed prompt + reference output as one prompt; compare prompt logprobs of the reference tokens")
+    p.add_argument("--min-agree", type=float, default=None,
+                   help="teacher-forced bound: least fraction of steps whose top-1 is the reference token (e.g. 0.98)")
+    p.add_argument("--max-p50", type=float, default=None, help="teacher-forced bound: largest p50 of |delta logprob|")
+    p.add_argument("--max-p90", type=float, default=None, help="teacher-forced bound: largest p90 of |delta logprob|")
     _add_engine_args(p)
     p.set_defaults(func=cmd_parity)
+    from kvserve.tools.traffic import add_parser as add_traffic_parser
+
+    add_traffic_parser(sub)
     return parser
 
 
