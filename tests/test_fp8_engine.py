@@ -15,8 +15,8 @@ import torch
 
 from fp8_checkpoints import make_fp8_checkpoint
 from kvserve import LLM, SamplingParams
+from kvserve.tools.fp8_reference import fake_quant_cache_class
 
-FORMATS = {"fp8_e4m3": (torch.float8_e4m3fn, 448.0), "fp8_e5m2": (torch.float8_e5m2, 57344.0)}
 KV_MEM = 1 << 22
 ATOL = 2e-3  # an element that lands on the neighbouring fp8 code moves a logprob by ~1e-3
 
@@ -25,23 +25,13 @@ pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.filterwarnings(
 
 def fake_quant_logprobs(folder: Path, ids: list[int], fmt: str, k_scales: list[float], v_scales: list[float],
                         decode_from: int) -> torch.Tensor:
-    """Oracle C: HF fp32, K/V fake-quantized when written; prefill ``ids[:decode_from]`` in one pass,
-    then one token per forward (as a decoding engine computes them). Returns [len(ids), vocab]."""
+    """Oracle C: HF fp32, K/V fake-quantized when written (``fmt`` "none": plain fp32); prefill
+    ``ids[:decode_from]`` in one pass, then one token per forward. Returns [len(ids), vocab]."""
     from transformers import AutoModelForCausalLM, DynamicCache
 
-    dtype, fmax = FORMATS[fmt] if fmt in FORMATS else (None, None)
-
-    class FakeQuantCache(DynamicCache):
-        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-            if dtype is not None:
-                ks = torch.tensor(k_scales[layer_idx], dtype=torch.float32)
-                vs = torch.tensor(v_scales[layer_idx], dtype=torch.float32)
-                key_states = (key_states / ks).clamp(-fmax, fmax).to(dtype).to(torch.float32) * ks
-                value_states = (value_states / vs).clamp(-fmax, fmax).to(dtype).to(torch.float32) * vs
-            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
-
+    cache_cls = DynamicCache if fmt == "none" else fake_quant_cache_class(fmt.removeprefix("fp8_"), k_scales, v_scales)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    cache = FakeQuantCache(config=model.config)
+    cache = cache_cls(config=model.config)
     rows = []
     with torch.no_grad():
         out = model(torch.tensor([ids[:decode_from]]), past_key_values=cache, use_cache=True)
