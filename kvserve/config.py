@@ -125,10 +125,9 @@ def _resolve_kv_cache_dtype(requested: str, model_dtype: torch.dtype, kv_quant: 
     kv_dtype = resolve_kv_cache_dtype(requested, model_dtype, kv_quant)
     if kv_dtype.name == "fp8_e5m2" and kv_quant.method is not None:
         raise ValueError("fp8_e5m2 kv-cache is not supported with fp8 checkpoints.")
-    same_format = kv_quant.kv_cache_dtype is not None and kv_dtype.is_fp8 and kv_dtype.fp8_dtype == (
-        resolve_kv_cache_dtype(kv_quant.kv_cache_dtype, model_dtype, kv_quant).fp8_dtype
-    )
-    if requested != "auto" and kv_quant.kv_cache_dtype is not None and not same_format:
+    declared = kv_quant.kv_cache_dtype
+    # An explicit value overrides the checkpoint unless it names the same format (fp8 = fp8_e4m3).
+    if requested != "auto" and declared is not None and kv_dtype.fp8_dtype != KVCacheDtype(declared, "").fp8_dtype:
         logger.warning(
             "--kv-cache-dtype %s overrides the checkpoint's KV cache quantization (%s from %s).",
             requested, kv_quant.kv_cache_dtype, kv_quant.source,

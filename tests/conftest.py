@@ -4,6 +4,7 @@ byte-level BPE tokenizer, and the real default model (fetched once per machine).
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Callable
 
@@ -127,3 +128,42 @@ def shared_eval() -> Path:
     if not path.is_dir():
         pytest.skip(f"shared eval folder not found at {path}")
     return path
+
+
+class LogCapture(logging.Handler):
+    """Collects the records of the ``kvserve`` logger."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def messages(self, level: int | None = None) -> list[str]:
+        return [r.getMessage() for r in self.records if level is None or r.levelno == level]
+
+    def warnings(self) -> list[str]:
+        return self.messages(logging.WARNING)
+
+    def count(self, text: str, level: int | None = None) -> int:
+        """How many records contain ``text``."""
+        return sum(text in m for m in self.messages(level))
+
+    def clear(self) -> None:
+        self.records.clear()
+
+
+@pytest.fixture
+def kvlog():
+    """Records of the ``kvserve`` logger (it does not propagate, so caplog alone sees nothing)."""
+    root = logging.getLogger("kvserve")
+    handler = LogCapture()
+    old_level = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    try:
+        yield handler
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(old_level)

@@ -34,41 +34,6 @@ STORE_INFO = (
 )
 
 
-# ---- log capture -----------------------------------------------------------------------------
-class _Capture(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-    def messages(self, level: int | None = None) -> list[str]:
-        return [r.getMessage() for r in self.records if level is None or r.levelno == level]
-
-    def count(self, text: str, level: int | None = None) -> int:
-        """How many records contain ``text``."""
-        return sum(text in m for m in self.messages(level))
-
-    def clear(self) -> None:
-        self.records.clear()
-
-
-@pytest.fixture
-def kvlog():
-    """Records of the ``kvserve`` logger (it does not propagate, so caplog alone sees nothing)."""
-    root = logging.getLogger("kvserve")
-    handler = _Capture()
-    old_level = root.level
-    root.addHandler(handler)
-    root.setLevel(logging.INFO)
-    try:
-        yield handler
-    finally:
-        root.removeHandler(handler)
-        root.setLevel(old_level)
-
-
 # ---- helpers ---------------------------------------------------------------------------------
 def _folder(tmp_path: Path, config: dict | None = None, hf_quant: dict | None = None) -> tuple[Path, dict]:
     """A folder with config.json (and optionally hf_quant_config.json); returns (folder, raw config)."""

@@ -56,40 +56,6 @@ def f32(x: float) -> float:
     return float(torch.tensor(x, dtype=torch.float32))
 
 
-# ---- log capture -----------------------------------------------------------------------------
-class _Capture(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-    def messages(self, level: int | None = None) -> list[str]:
-        return [r.getMessage() for r in self.records if level is None or r.levelno == level]
-
-    def warnings(self) -> list[str]:
-        return self.messages(logging.WARNING)
-
-    def clear(self) -> None:
-        self.records.clear()
-
-
-@pytest.fixture
-def kvlog():
-    """Records of the ``kvserve`` logger (it does not propagate, so caplog alone sees nothing)."""
-    root = logging.getLogger("kvserve")
-    handler = _Capture()
-    old_level = root.level
-    root.addHandler(handler)
-    root.setLevel(logging.INFO)
-    try:
-        yield handler
-    finally:
-        root.removeHandler(handler)
-        root.setLevel(old_level)
-
-
 # ---- fake layers -----------------------------------------------------------------------------
 class FakeAttn:
     """Stands in for an attention layer: just the four scale attributes (start at a poison value)."""
