@@ -1,4 +1,4 @@
-"""The ``kvserve`` command: generate, chat, parity, traffic."""
+"""The ``kvserve`` command: generate, chat, parity, traffic, bench serve (and serve)."""
 
 from __future__ import annotations
 
@@ -148,9 +148,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-p90", type=float, default=None, help="teacher-forced bound: largest p90 of |delta logprob|")
     _add_engine_args(p)
     p.set_defaults(func=cmd_parity)
+    from kvserve.bench import add_parser as add_bench_parser
     from kvserve.tools.traffic import add_parser as add_traffic_parser
 
     add_traffic_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 
