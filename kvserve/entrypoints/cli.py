@@ -1,4 +1,4 @@
-"""The ``kvserve`` command: generate, chat, parity, traffic, bench serve (and serve)."""
+"""The ``kvserve`` command: generate, chat, parity, serve, traffic, bench serve."""
 
 from __future__ import annotations
 
@@ -149,8 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(p)
     p.set_defaults(func=cmd_parity)
     from kvserve.bench import add_parser as add_bench_parser
+    from kvserve.entrypoints.openai.serve import add_parser as add_serve_parser
     from kvserve.tools.traffic import add_parser as add_traffic_parser
 
+    add_serve_parser(sub)
     add_traffic_parser(sub)
     add_bench_parser(sub)
     return parser

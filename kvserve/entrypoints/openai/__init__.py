@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server (``kvserve serve``), mirroring ``vllm serve``."""

@@ -1,0 +1,55 @@
+"""The ``kvserve serve`` subcommand (mirrors ``vllm serve``). Torch- and FastAPI-free at import,
+so building the ``kvserve`` parser stays fast; ``run`` imports the server lazily."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from kvserve.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    from kvserve.entrypoints.cli import _add_engine_args
+
+    p = subparsers.add_parser("serve", help="start the OpenAI-compatible HTTP server (like `vllm serve`)")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="local HF checkpoint folder (same as --model; default: SmolLM2-135M-Instruct)")
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (env VLLM_API_KEY or KVSERVE_API_KEY)")
+    g.add_argument("--served-model-name", default=None, help="model name in the API (default: the model path)")
+    g.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    _add_engine_args(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kvserve.config import EngineArgs
+    from kvserve.engine.async_llm import AsyncLLM
+    from kvserve.entrypoints.cli import _llm_kwargs
+    from kvserve.entrypoints.openai.api_server import build_app
+
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise ValueError(f"model given twice: positional {args.model_tag!r} and --model {args.model!r}")
+        args.model = args.model_tag
+    api_key = args.api_key or os.environ.get("VLLM_API_KEY") or os.environ.get("KVSERVE_API_KEY")
+    async_llm = AsyncLLM.from_engine_args(EngineArgs(**_llm_kwargs(args)))
+    name = args.served_model_name or args.model or str(async_llm.engine.config.model_config.model)
+    app = build_app(async_llm, name, api_key)
+    logger.info("Serving model %s on http://%s:%d", name, args.host, args.port)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+    finally:
+        async_llm.shutdown()
+    return 0
