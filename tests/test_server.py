@@ -779,3 +779,33 @@ def test_golden_greedy_parity_through_server(default_model_path, shared_eval):
         srv.wait_idle()
     finally:
         srv.stop()
+
+
+def test_generation_config_supplies_default_sampling_params(tmp_path, kvlog):
+    """vLLM's ``--generation-config auto``: the model's generation_config.json fills the request
+    fields left unset (max_new_tokens -> max_tokens); request values win; ``vllm`` uses none."""
+    import json as _json
+
+    from kvserve.entrypoints.openai.protocol import CompletionRequest
+    from kvserve.entrypoints.openai.serving import OpenAIServing, generation_config_defaults
+
+    (tmp_path / "generation_config.json").write_text(_json.dumps(
+        {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_new_tokens": 7, "do_sample": True, "bos_token_id": 1}))
+    defaults = generation_config_defaults(str(tmp_path))
+    assert defaults == {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_tokens": 7}
+    assert any("Default sampling parameters have been overridden" in m for m in kvlog.warnings())
+    assert generation_config_defaults(str(tmp_path), "vllm") == {}
+    assert generation_config_defaults(str(tmp_path / "nowhere")) == {}
+    with pytest.raises(ValueError, match="no generation_config.json"):
+        generation_config_defaults(str(tmp_path), str(tmp_path / "nowhere"))
+
+    class _FakeLLM:
+        max_model_len = 512
+
+    serving = OpenAIServing(_FakeLLM(), "m", defaults)  # type: ignore[arg-type]
+    p = serving.sampling_params(CompletionRequest(model="m", prompt="hi"), None, None)
+    assert (p.temperature, p.top_p, p.top_k, p.max_tokens, p.min_p) == (0.6, 0.95, 20, 7, 0.0)
+    p = serving.sampling_params(CompletionRequest(model="m", prompt="hi", temperature=0.5, top_k=5), 3, None)
+    assert (p.temperature, p.top_k, p.max_tokens, p.top_p) == (0.5, 5, 3, 0.95)
+    plain = OpenAIServing(_FakeLLM(), "m").sampling_params(CompletionRequest(model="m", prompt="hi"), None, None)
+    assert (plain.temperature, plain.top_p, plain.top_k) == (1.0, 1.0, 0)

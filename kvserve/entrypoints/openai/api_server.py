@@ -52,10 +52,12 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None = None) -> FastAPI:
-    """The OpenAI-compatible app around a running ``AsyncLLM`` (one Prometheus registry per app)."""
+def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None = None,
+              default_sampling: dict[str, Any] | None = None) -> FastAPI:
+    """The OpenAI-compatible app around a running ``AsyncLLM`` (one Prometheus registry per app);
+    ``default_sampling``: request defaults, e.g. from ``generation_config_defaults``."""
     app = FastAPI(title="kvserve OpenAI-compatible server", version=kvserve.__version__)
-    serving = OpenAIServing(async_llm, served_model_name)
+    serving = OpenAIServing(async_llm, served_model_name, default_sampling)
     metrics = ServerMetrics(async_llm, served_model_name)
     async_llm.add_observer(metrics)
     app.state.async_llm, app.state.serving, app.state.metrics = async_llm, serving, metrics

@@ -24,6 +24,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* (env VLLM_API_KEY or KVSERVE_API_KEY)")
     g.add_argument("--served-model-name", default=None, help="model name in the API (default: the model path)")
+    g.add_argument("--generation-config", default="auto",
+                   help="default sampling params: 'auto' (the model's generation_config.json), a folder, or 'vllm' (none)")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     _add_engine_args(p)
@@ -38,6 +40,7 @@ def run(args: argparse.Namespace) -> int:
     from kvserve.engine.async_llm import AsyncLLM
     from kvserve.entrypoints.cli import _llm_kwargs
     from kvserve.entrypoints.openai.api_server import build_app
+    from kvserve.entrypoints.openai.serving import generation_config_defaults
 
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
@@ -46,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
     api_key = args.api_key or os.environ.get("VLLM_API_KEY") or os.environ.get("KVSERVE_API_KEY")
     async_llm = AsyncLLM.from_engine_args(EngineArgs(**_llm_kwargs(args)))
     name = args.served_model_name or args.model or str(async_llm.engine.config.model_config.model)
-    app = build_app(async_llm, name, api_key)
+    defaults = generation_config_defaults(str(async_llm.engine.config.model_config.model), args.generation_config)
+    app = build_app(async_llm, name, api_key, defaults)
     logger.info("Serving model %s on http://%s:%d", name, args.host, args.port)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)

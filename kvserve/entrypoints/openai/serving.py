@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from kvserve.engine.async_llm import AsyncLLM, EngineDeadError
@@ -17,11 +18,14 @@ from kvserve.entrypoints.openai.protocol import (
     now,
     random_uuid,
 )
+from kvserve.logger import init_logger
 
 _PARAM_NAMES = (
     "n presence_penalty frequency_penalty repetition_penalty temperature top_p top_k min_p "
     "max_tokens min_tokens logprobs prompt_logprobs stop_token_ids stop seed"
 ).split()
+
+logger = init_logger(__name__)
 
 
 class OpenAIError(Exception):
@@ -97,11 +101,41 @@ async def merge_streams(iters: list[AsyncIterator[RequestOutput]]) -> AsyncItera
             await it.aclose()  # type: ignore[attr-defined]
 
 
+# vLLM ModelConfig.get_diff_sampling_param: what a generation_config.json may set as defaults.
+_GENERATION_CONFIG_PARAMS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p", "max_new_tokens")
+
+
+def generation_config_defaults(model_dir: str, generation_config: str = "auto") -> dict[str, Any]:
+    """Default sampling params from ``generation_config.json`` (vLLM ``--generation-config``):
+    ``auto`` reads the model folder, a path reads that folder, ``vllm`` uses none."""
+    if generation_config == "vllm":
+        return {}
+    folder = Path(model_dir if generation_config == "auto" else generation_config)
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        if generation_config != "auto":
+            raise ValueError(f"--generation-config {generation_config!r}: no generation_config.json in that folder")
+        return {}
+    raw = json.loads(path.read_text())
+    out = {k: raw[k] for k in _GENERATION_CONFIG_PARAMS if raw.get(k) is not None}
+    if "max_new_tokens" in out:
+        out["max_tokens"] = out.pop("max_new_tokens")
+    if out:
+        logger.warning(
+            "Default sampling parameters have been overridden by the model's Hugging Face generation config "
+            "recommended from the model creator. If this is not intended, please relaunch vLLM instance with "
+            "`--generation-config vllm`."
+        )
+        logger.info("Using default sampling params from model generation config: %s", out)
+    return out
+
+
 class OpenAIServing:
-    def __init__(self, async_llm: AsyncLLM, served_model_name: str) -> None:
+    def __init__(self, async_llm: AsyncLLM, served_model_name: str, default_sampling: dict[str, Any] | None = None) -> None:
         self.llm = async_llm
         self.model_name = served_model_name
         self.max_model_len = async_llm.max_model_len
+        self.default_sampling = dict(default_sampling or {})
 
     # ---- shared ------------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -130,7 +164,7 @@ class OpenAIServing:
             stop=req.stop,
             stop_token_ids=req.stop_token_ids,
             ignore_eos=req.ignore_eos,
-            max_tokens=max_tokens,
+            max_tokens=max_tokens if max_tokens is not None else self.default_sampling.get("max_tokens"),
             min_tokens=req.min_tokens,
             logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
@@ -140,7 +174,7 @@ class OpenAIServing:
         for name, default in (("temperature", 1.0), ("top_p", 1.0), ("top_k", 0), ("min_p", 0.0),
                               ("repetition_penalty", 1.0)):
             value = getattr(req, name)
-            kw[name] = default if value is None else value
+            kw[name] = self.default_sampling.get(name, default) if value is None else value
         try:
             return SamplingParams(**kw)
         except (ValueError, TypeError) as e:
