@@ -8,7 +8,7 @@ nearest even, saturating), read back as ``float32(q) * scale`` (vLLM's per-tenso
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -22,14 +22,25 @@ class CacheQuant:
     fp8_max: float  # 448.0 (e4m3) or 57344.0 (e5m2): the store saturates here
     k_scale: float = 1.0
     v_scale: float = 1.0
+    device: torch.device | str = "cpu"  # the cache's device
+    # the scales as float32 tensors on that device, made once per layer rather than per store
+    k_scale_t: torch.Tensor = field(init=False, repr=False, compare=False)
+    v_scale_t: torch.Tensor = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("k_scale", "v_scale"):
+            object.__setattr__(self, f"{name}_t", torch.tensor(getattr(self, name), dtype=torch.float32, device=self.device))
 
 
-def quantize_fp8(x: torch.Tensor, scale: float, fp8_dtype: torch.dtype, fp8_max: float) -> torch.Tensor:
+def quantize_fp8(
+    x: torch.Tensor, scale: float | torch.Tensor, fp8_dtype: torch.dtype, fp8_max: float
+) -> torch.Tensor:
     """``fp8(clamp(float32(x) / scale, -max, max))`` as uint8 bytes (RNE; NaN stays NaN).
 
-    The scale is a device tensor so the division is a true one (CUDA turns division by a host
-    scalar into a multiplication by its reciprocal, which rounds differently)."""
-    divisor = torch.tensor(scale, dtype=torch.float32, device=x.device)
+    The scale is used as a float32 tensor on ``x``'s device so the division is a true one (CUDA
+    turns division by a host scalar into a multiplication by its reciprocal, which rounds
+    differently)."""
+    divisor = scale if isinstance(scale, torch.Tensor) else torch.tensor(scale, dtype=torch.float32, device=x.device)
     q = (x.float() / divisor).clamp_(-fp8_max, fp8_max)
     return q.to(fp8_dtype).view(torch.uint8)
 
@@ -60,8 +71,8 @@ def store_kv(
         key, value = key.to(kv_cache.dtype), value.to(kv_cache.dtype)
     else:
         assert kv_cache.dtype == torch.uint8, "an fp8 cache is stored as uint8"
-        key = quantize_fp8(key, quant.k_scale, quant.fp8_dtype, quant.fp8_max)
-        value = quantize_fp8(value, quant.v_scale, quant.fp8_dtype, quant.fp8_max)
+        key = quantize_fp8(key, quant.k_scale_t, quant.fp8_dtype, quant.fp8_max)
+        value = quantize_fp8(value, quant.v_scale_t, quant.fp8_dtype, quant.fp8_max)
     rows.index_copy_(0, rows_k, key)
     rows.index_copy_(0, rows_k + block_size, value)
 

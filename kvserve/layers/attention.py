@@ -53,7 +53,9 @@ class Attention(nn.Module):
         self.cache_quant = None
         if kv_dtype.is_fp8:
             assert kv_dtype.fp8_dtype is not None
-            self.cache_quant = reference.CacheQuant(kv_dtype.fp8_dtype, kv_dtype.fp8_max, self.k_scale, self.v_scale)
+            self.cache_quant = reference.CacheQuant(
+                kv_dtype.fp8_dtype, kv_dtype.fp8_max, self.k_scale, self.v_scale, kv_cache.device
+            )
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hk, D] -> [T, Hq * D]."""
