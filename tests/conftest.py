@@ -112,6 +112,12 @@ def make_tiny_model(tmp_path_factory) -> Callable[..., Path]:
     return make
 
 
+@pytest.fixture(scope="module")
+def tiny(make_tiny_model) -> Path:
+    """The default tiny Llama (seed 0)."""
+    return make_tiny_model("llama")
+
+
 @pytest.fixture(scope="session")
 def default_model_path() -> Path:
     """The real SmolLM2-135M-Instruct folder (converted once into the kvserve cache)."""

@@ -58,11 +58,6 @@ def _ct(**scheme) -> dict:
 
 
 @pytest.fixture(scope="module")
-def tiny(make_tiny_model) -> Path:
-    return make_tiny_model("llama")
-
-
-@pytest.fixture(scope="module")
 def ckpts(tiny, tmp_path_factory) -> dict[str, Path]:
     """The tiny model in the three fp8 forms (k/v scales 0.5/0.25), plus the plain tiny model."""
     root = tmp_path_factory.mktemp("fp8-dtype")

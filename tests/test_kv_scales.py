@@ -480,11 +480,6 @@ FORMS = ("modelopt", "modelopt-inline", "compressed-tensors")
 
 
 @pytest.fixture(scope="module")
-def tiny(make_tiny_model) -> Path:
-    return make_tiny_model("llama")
-
-
-@pytest.fixture(scope="module")
 def ckpts(tiny, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("fp8-scales")
     return {form: make_fp8_checkpoint(tiny, root / form, form, k_scales=K_SCALES, v_scales=V_SCALES)

@@ -537,22 +537,26 @@ def test_multi_prompt_stream_disconnect(server, slow_steps):
     assert server.aborted() == aborted + 3
 
 
-def test_multi_prompt_non_stream_disconnect(server, slow_steps):
-    aborted = server.aborted()
+def _post_and_drop(server, body: dict, running: int) -> None:
+    """POST a non-streaming completion, wait until ``running`` requests run, then drop the connection."""
 
     async def main():
         async with httpx.AsyncClient(timeout=30) as c:
-            body = {"model": "tiny", "prompt": [[7] * 20, [8] * 30], "max_tokens": 200, "ignore_eos": True}
             task = asyncio.create_task(c.post(server.url + "/v1/completions", json=body, headers=headers()))
             deadline = time.time() + 10
-            while server.async_llm.stats.num_running < 2:
+            while server.async_llm.stats.num_running < running:
                 assert time.time() < deadline
                 await asyncio.sleep(0.01)
-            task.cancel()
+            task.cancel()  # closes the connection before the response
             with pytest.raises(asyncio.CancelledError):
                 await task
 
     asyncio.run(main())
+
+
+def test_multi_prompt_non_stream_disconnect(server, slow_steps):
+    aborted = server.aborted()
+    _post_and_drop(server, {"model": "tiny", "prompt": [[7] * 20, [8] * 30], "max_tokens": 200, "ignore_eos": True}, 2)
     server.wait_idle(timeout=5)
     assert server.aborted() == aborted + 2
 
@@ -587,20 +591,7 @@ def slow_steps(server, monkeypatch):
 
 def test_non_stream_disconnect_aborts(server, slow_steps):
     aborted = server.aborted()
-
-    async def main():
-        async with httpx.AsyncClient(timeout=30) as c:
-            body = {"model": "tiny", "prompt": [7] * 50, "max_tokens": 200, "ignore_eos": True}
-            task = asyncio.create_task(c.post(server.url + "/v1/completions", json=body, headers=headers()))
-            deadline = time.time() + 10
-            while server.async_llm.stats.num_running == 0:
-                assert time.time() < deadline
-                await asyncio.sleep(0.01)
-            task.cancel()  # closes the connection before the response
-            with pytest.raises(asyncio.CancelledError):
-                await task
-
-    asyncio.run(main())
+    _post_and_drop(server, {"model": "tiny", "prompt": [7] * 50, "max_tokens": 200, "ignore_eos": True}, 1)
     server.wait_idle(timeout=5)
     assert server.aborted() == aborted + 1
 
