@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from kvserve.choices import DTYPE_CHOICES
+from kvserve.choices import ATTENTION_BACKEND_CHOICES, DTYPE_CHOICES, LOAD_FORMAT_CHOICES
 from kvserve.logger import init_logger
 from kvserve.quant.kv_cache_dtype import (
     KV_CACHE_DTYPE_CHOICES,
@@ -45,6 +45,8 @@ class ModelConfig:
     dtype: torch.dtype
     max_model_len: int
     seed: int = 0
+    load_format: str = "auto"  # auto | safetensors | dummy (random weights, vLLM's DummyModelLoader)
+    skip_tokenizer_init: bool = False  # no tokenizer: token-id prompts only, no output text
 
     @property
     def num_layers(self) -> int:
@@ -89,12 +91,22 @@ class SchedulerConfig:
 
 
 @dataclass
+class RunnerConfig:
+    """How the model runs: the attention backend and CUDA graphs for decode batches."""
+
+    attention_backend: str = "reference"  # resolved: reference | triton
+    enforce_eager: bool = True  # no CUDA graphs (always true off CUDA)
+    cudagraph_capture_sizes: list[int] = field(default_factory=list)  # ascending decode batch sizes
+
+
+@dataclass
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
     device: torch.device
-    tokenizer: str
+    tokenizer: str | None
+    runner_config: RunnerConfig = field(default_factory=RunnerConfig)
 
 
 def _resolve_dtype(requested: str | torch.dtype, hf_config: Any, device: torch.device) -> torch.dtype:
@@ -140,6 +152,38 @@ def _resolve_kv_cache_dtype(requested: str, model_dtype: torch.dtype, kv_quant: 
             kv_dtype.name,
         )
     return kv_dtype
+
+
+def resolve_attention_backend(requested: str, device: torch.device) -> str:
+    """``--attention-backend``: auto = triton on CUDA, reference elsewhere.
+
+    triton off CUDA needs the Triton interpreter (``TRITON_INTERPRET=1``, slow; used by tests)."""
+    name = str(requested).lower()
+    if name not in ATTENTION_BACKEND_CHOICES:
+        raise ValueError(f"Unknown attention backend: {requested!r}. Supported: {ATTENTION_BACKEND_CHOICES}")
+    if name == "auto":
+        return "triton" if device.type == "cuda" else "reference"
+    if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"--attention-backend triton needs a CUDA device, got device {device.type!r}. Use "
+            "--attention-backend reference (or auto), or set TRITON_INTERPRET=1 to run the Triton "
+            "kernels in the (slow) interpreter."
+        )
+    return name
+
+
+def cudagraph_capture_sizes(max_num_seqs: int, max_capture_size: int | None = None) -> list[int]:
+    """vLLM's default decode batch sizes for CUDA graphs: 1, 2, 4, multiples of 8 below 256, then
+    multiples of 16, up to ``max_capture_size`` (default ``min(2 * max_num_seqs, 512)``), kept at
+    or below max_num_seqs; max_num_seqs itself is added so every decode batch has a graph."""
+    limit = min(2 * max_num_seqs, 512) if max_capture_size is None else max_capture_size
+    if limit < 0:
+        raise ValueError(f"max_cudagraph_capture_size must be non-negative, got {limit}.")
+    sizes = [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, limit + 1, 16))
+    sizes = [s for s in sizes if s <= min(limit, max_num_seqs)]
+    if max_capture_size is None and max_num_seqs <= limit and max_num_seqs not in sizes:
+        sizes.append(max_num_seqs)
+    return sorted(sizes)
 
 
 def _derive_max_model_len(hf_config: Any, requested: int | None) -> int:
@@ -207,6 +251,11 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None
     seed: int = 0
     device: str = "auto"
+    attention_backend: str = "auto"
+    enforce_eager: bool = False
+    max_cudagraph_capture_size: int | None = None
+    load_format: str = "auto"
+    skip_tokenizer_init: bool = False
 
     def create_engine_config(self) -> EngineConfig:
         from transformers import AutoConfig
@@ -235,6 +284,9 @@ class EngineArgs:
         else:
             device = torch.device(self.device)
         dtype = _resolve_dtype(self.dtype, hf_config, device)
+        if self.load_format not in LOAD_FORMAT_CHOICES:
+            raise ValueError(f"Unknown load_format: {self.load_format!r}. Supported: {LOAD_FORMAT_CHOICES}")
+        backend = resolve_attention_backend(self.attention_backend, device)
         max_model_len = _derive_max_model_len(hf_config, self.max_model_len)
 
         kv_quant = read_kv_quant_config(path, raw)
@@ -280,6 +332,8 @@ class EngineArgs:
                 dtype=dtype,
                 max_model_len=max_model_len,
                 seed=self.seed,
+                load_format=self.load_format,
+                skip_tokenizer_init=self.skip_tokenizer_init,
             ),
             cache_config=CacheConfig(
                 block_size=self.block_size,
@@ -298,5 +352,10 @@ class EngineArgs:
                 enable_chunked_prefill=self.enable_chunked_prefill,
             ),
             device=device,
-            tokenizer=self.tokenizer or str(path),
+            tokenizer=None if self.skip_tokenizer_init else (self.tokenizer or str(path)),
+            runner_config=RunnerConfig(
+                attention_backend=backend,
+                enforce_eager=self.enforce_eager or device.type != "cuda" or backend != "triton",
+                cudagraph_capture_sizes=cudagraph_capture_sizes(max_num_seqs, self.max_cudagraph_capture_size),
+            ),
         )

@@ -34,6 +34,11 @@ class LLM:
         num_gpu_blocks_override: int | None = None,
         seed: int = 0,
         device: str = "auto",
+        attention_backend: str = "auto",
+        enforce_eager: bool = False,
+        max_cudagraph_capture_size: int | None = None,
+        load_format: str = "auto",
+        skip_tokenizer_init: bool = False,
         **kwargs: Any,
     ) -> None:
         if kwargs:
@@ -54,6 +59,11 @@ class LLM:
             num_gpu_blocks_override=num_gpu_blocks_override,
             seed=seed,
             device=device,
+            attention_backend=attention_backend,
+            enforce_eager=enforce_eager,
+            max_cudagraph_capture_size=max_cudagraph_capture_size,
+            load_format=load_format,
+            skip_tokenizer_init=skip_tokenizer_init,
         )
         self.llm_engine = Engine.from_engine_args(args)
         self.request_counter = itertools.count()

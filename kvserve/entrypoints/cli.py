@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from kvserve.choices import DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES
+from kvserve.choices import ATTENTION_BACKEND_CHOICES, DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES, LOAD_FORMAT_CHOICES
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -27,13 +27,22 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-gpu-blocks-override", type=int, default=None)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--device", default="auto")
+    g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKEND_CHOICES,
+                   help="auto: triton on CUDA, reference on CPU")
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode batches")
+    g.add_argument("--max-cudagraph-capture-size", type=int, default=None,
+                   help="largest decode batch captured as a CUDA graph (default min(2 x max-num-seqs, 512))")
+    g.add_argument("--load-format", default="auto", choices=LOAD_FORMAT_CHOICES,
+                   help="dummy: random weights (for benchmarks), as vLLM's --load-format dummy")
+    g.add_argument("--skip-tokenizer-init", action="store_true", help="no tokenizer: token-id prompts only")
 
 
 def _llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     keys = (
         "model tokenizer dtype kv_cache_dtype block_size max_model_len max_num_seqs "
         "max_num_batched_tokens enable_prefix_caching enable_chunked_prefill kv_cache_memory "
-        "gpu_memory_utilization num_gpu_blocks_override seed device"
+        "gpu_memory_utilization num_gpu_blocks_override seed device attention_backend enforce_eager "
+        "max_cudagraph_capture_size load_format skip_tokenizer_init"
     ).split()
     return {k: getattr(args, k) for k in keys}
 
