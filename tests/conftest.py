@@ -3,6 +3,20 @@ byte-level BPE tokenizer, and the real default model (fetched once per machine).
 
 from __future__ import annotations
 
+import os
+
+import torch
+
+# Triton kernels run in the interpreter without CUDA; triton.jit reads this when a kernel module is
+# imported, so it is set before anything imports kvserve.kernels.triton_*.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from triton_support import interpreter_active, patch_interpreter  # noqa: E402
+
+if interpreter_active():
+    patch_interpreter()  # the interpreter's fp8/bf16 down-casts made torch's (bit-exact); bf16 tl.dot fixed
+
 import json
 import logging
 from pathlib import Path

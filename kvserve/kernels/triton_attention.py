@@ -1,9 +1,289 @@
-"""Triton unified paged attention over bf16/fp16/fp32 or fp8 pages (API stub; kernel in progress).
+"""Triton unified paged attention over bf16/fp16/fp32 or fp8 pages.
 
-paged_attention(query [T, Hq, D], kv_cache [NB, 2, BS, Hk, D] (uint8 bytes for fp8),
-                block_tables [B, M] int32, query_start_loc [B + 1] int32, seq_lens [B] int32,
-                scale, max_query_len, max_seq_len, quant=None, out=None, num_splits=None) -> [T, Hq, D]
-Sequence i owns query rows query_start_loc[i]:query_start_loc[i+1], at positions
-seq_lens[i] - query_len_i .. seq_lens[i] - 1 (causal over its cached context plus itself), exactly
-as kernels.reference.paged_attention with query_lens/seq_lens lists.
+One kernel serves a mixed batch: prefill chunks over their cached context and decode tokens. A
+program owns ``BLOCK_Q`` query tokens of one sequence times the ``G = Hq / Hk`` query heads that
+share one KV head (``BLOCK_M = BLOCK_Q * G`` rows), and walks that sequence's pages in tiles of
+``TILE_N`` tokens (a tile may span several pages; each token's page comes from the block table).
+fp8 pages are read as bytes, converted exactly to the query dtype, and the per-tensor scales are
+applied to the fp32 scores (``k_scale``) and to the fp32 output (``v_scale``). Softmax and
+accumulation run in fp32 (online softmax, base 2).
+
+Split-KV (flash-decoding): the KV range of each program can be cut into ``num_splits`` parts that
+run as separate programs; a second kernel merges their partial results. Chosen automatically for
+decode-only batches whose (sequences x KV heads) would not fill the GPU.
+
+Same contract as ``reference.paged_attention``: sequence i owns query rows
+``query_start_loc[i]:query_start_loc[i+1]`` at positions ``seq_lens[i] - query_len_i ..
+seq_lens[i] - 1``, causal over its cached context plus itself. Every launch is CUDA-graph safe:
+the grid depends only on the number of tokens, sequences and splits, never on lengths.
 """
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from kvserve.kernels.reference import CacheQuant
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _find_seq(query_start_ptr, target, num_seqs, BLOCK_Q: tl.constexpr):
+    """Largest sequence index i with ``query_start[i] // BLOCK_Q + i <= target`` (binary search)."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        val = tl.load(query_start_ptr + mid) // BLOCK_Q + mid
+        if val <= target:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _attention_kernel(
+    out_ptr, part_acc_ptr, part_ml_ptr,
+    q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
+    k_scale_ptr, v_scale_ptr, qk_scale,
+    num_seqs,
+    stride_qt, stride_qh,
+    stride_ot, stride_oh,
+    stride_cb, stride_ckv, stride_cs, stride_ch,
+    stride_bt,
+    G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
+    HEAD: tl.constexpr, HEAD_PAD: tl.constexpr,
+    PAGE: tl.constexpr, TILE_N: tl.constexpr,
+    FP8: tl.constexpr, FP8_E5M2: tl.constexpr, IEEE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    q_block = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq = _find_seq(query_start_ptr, q_block, num_seqs, BLOCK_Q)
+    q_start = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    q_off = (q_block - (q_start // BLOCK_Q + seq)) * BLOCK_Q
+    if q_off >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context = seq_len - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    tok = q_off + rows // G  # query token of each row, within the sequence's chunk
+    head = kv_head * G + rows % G
+    row_ok = (tok < q_len) & (rows < BLOCK_Q * G)  # G need not be a power of two
+    q_pos = context + tok  # absolute position of each row's token
+    d = tl.arange(0, HEAD_PAD)
+    d_ok = d < HEAD
+
+    q = tl.load(
+        q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :], other=0.0,
+    )
+    if FP8:
+        k_mul = qk_scale * tl.load(k_scale_ptr)
+        v_mul = tl.load(v_scale_ptr)
+    else:
+        k_mul = qk_scale
+        v_mul = 1.0
+
+    # Keys this block can see: its context plus its own chunk up to its last token.
+    num_keys = context + tl.minimum(q_off + BLOCK_Q, q_len)
+    num_tiles = tl.cdiv(num_keys, TILE_N)
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+    n_ar = tl.arange(0, TILE_N)
+    table = block_tables_ptr + seq * stride_bt
+    for t in range(tile_lo, tile_hi):
+        n = t * TILE_N + n_ar
+        n_ok = n < num_keys
+        page = tl.load(table + n // PAGE, mask=n_ok, other=0)
+        off = page.to(tl.int64) * stride_cb + (n % PAGE) * stride_cs + kv_head * stride_ch
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0)
+        v = tl.load(cache_ptr + stride_ckv + off[:, None] + d[None, :], mask=kv_mask, other=0)
+        if FP8:
+            if FP8_E5M2:
+                k = k.to(tl.float8e5, bitcast=True)
+                v = v.to(tl.float8e5, bitcast=True)
+            else:
+                k = k.to(tl.float8e4nv, bitcast=True)
+                v = v.to(tl.float8e4nv, bitcast=True)
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * (k_mul * 1.4426950408889634)  # log2 domain
+        visible = (n[None, :] <= q_pos[:, None]) & n_ok[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    out_row = q_start + tok
+    if NUM_SPLITS == 1:
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        o = acc / l_safe[:, None] * v_mul
+        tl.store(
+            out_ptr + out_row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+            o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :],
+        )
+    else:
+        # Partials: acc [T, Hq, S, HEAD_PAD] (unnormalized, v-scaled), (m, l) [T, Hq, S, 2].
+        part = (out_row * (G * tl.num_programs(1)) + head) * NUM_SPLITS + split
+        tl.store(part_acc_ptr + part[:, None] * HEAD_PAD + d[None, :], acc * v_mul, mask=row_ok[:, None])
+        tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
+        tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    out_ptr, part_acc_ptr, part_ml_ptr, stride_ot, stride_oh, num_heads,
+    HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    """out[t, h] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the splits of one row."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, SPLITS_PAD)
+    s_ok = s < NUM_SPLITS
+    base = (t * num_heads + h) * NUM_SPLITS
+    m = tl.load(part_ml_ptr + (base + s) * 2, mask=s_ok, other=float("-inf"))
+    l = tl.load(part_ml_ptr + (base + s) * 2 + 1, mask=s_ok, other=0.0)
+    m_max = tl.max(m, axis=0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.exp2(m - m_max)
+    d = tl.arange(0, HEAD_PAD)
+    acc = tl.load(part_acc_ptr + (base + s)[:, None] * HEAD_PAD + d[None, :], mask=s_ok[:, None], other=0.0)
+    num = tl.sum(acc * w[:, None], axis=0)
+    den = tl.sum(l * w, axis=0)
+    den = tl.where(den == 0.0, 1.0, den)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, (num / den).to(out_ptr.dtype.element_ty), mask=d < HEAD)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device, tile_n: int = 64) -> int:
+    """Split-KV parts for a decode-only batch: enough programs for ~2 waves of the GPU, each part
+    at least 4 tiles of keys; 1 (no split) off CUDA or when the batch already fills the GPU."""
+    if device.type != "cuda":
+        return 1
+    programs = num_seqs * num_kv_heads
+    target = 2 * _num_sms(device.index or 0)
+    if programs >= target:
+        return 1
+    by_work = max(1, triton.cdiv(max_seq_len, 4 * tile_n))
+    return int(max(1, min(triton.cdiv(target, programs), by_work, 32)))
+
+
+def _tile_config(max_query_len: int, group: int, head_pad: int, is_cuda: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_M, TILE_N, num_warps, num_stages) for the batch shape."""
+    g = triton.next_power_of_2(group)
+    if max_query_len == 1:
+        block_m = max(16, g)  # one decode token x G heads, padded for tl.dot
+        tile_n = 64 if head_pad <= 128 else 32
+        return block_m, tile_n, 4, (3 if is_cuda else 1)
+    block_m = max(64, g) if head_pad <= 128 else max(32, g)
+    tile_n = 64 if head_pad <= 128 else 32
+    return block_m, tile_n, (4 if block_m <= 64 else 8), (2 if is_cuda else 1)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+    quant: CacheQuant | None = None,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Causal paged attention of every sequence's new tokens; see the module docstring.
+
+    query [T, Hq, D]; kv_cache [NB, 2, BS, Hk, D] (uint8 for fp8, with ``quant``); block_tables
+    [B, M] int32; query_start_loc [B + 1] int32; seq_lens [B] int32. ``num_splits`` None picks
+    split-KV automatically for decode-only batches; an int forces it. Returns ``out`` [T, Hq, D]."""
+    num_tokens, num_heads, head = query.shape
+    _, _, page, num_kv_heads, head_c = kv_cache.shape
+    assert head_c == head and num_heads % num_kv_heads == 0, "query / cache shapes do not match"
+    assert kv_cache.stride(-1) == 1 and query.stride(-1) == 1
+    if quant is not None:
+        assert kv_cache.dtype == torch.uint8, "an fp8 cache is stored as uint8"
+    else:
+        assert kv_cache.dtype == query.dtype or kv_cache.dtype in (torch.bfloat16, torch.float16, torch.float32)
+    if out is None:
+        out = torch.empty_like(query)
+    num_seqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    group = num_heads // num_kv_heads
+    head_pad = triton.next_power_of_2(head)
+    is_cuda = query.device.type == "cuda"
+    block_m, tile_n, num_warps, num_stages = _tile_config(max_query_len, group, head_pad, is_cuda)
+    block_q = block_m // triton.next_power_of_2(group)
+    if num_splits is None:
+        num_splits = (
+            choose_num_splits(num_seqs, num_kv_heads, max_seq_len, query.device, tile_n) if max_query_len == 1 else 1
+        )
+    fp8 = quant is not None
+    if quant is None:
+        cache = kv_cache if kv_cache.dtype == query.dtype else kv_cache  # mixed float dtypes convert in-kernel
+        k_scale_t = v_scale_t = seq_lens  # unused placeholders (never read)
+    else:
+        cache = kv_cache
+        k_scale_t, v_scale_t = quant.k_scale_t, quant.v_scale_t
+    if num_splits > 1:
+        part_acc = torch.empty((num_tokens, num_heads, num_splits, head_pad), dtype=torch.float32, device=query.device)
+        part_ml = torch.empty((num_tokens, num_heads, num_splits, 2), dtype=torch.float32, device=query.device)
+    else:
+        part_acc = part_ml = out  # unused
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
+    _attention_kernel[grid](
+        out, part_acc, part_ml,
+        query, cache, block_tables, seq_lens, query_start_loc,
+        k_scale_t, v_scale_t, float(scale),
+        num_seqs,
+        query.stride(0), query.stride(1),
+        out.stride(0), out.stride(1),
+        cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
+        block_tables.stride(0),
+        G=group, BLOCK_M=block_m, BLOCK_Q=block_q,
+        HEAD=head, HEAD_PAD=head_pad, PAGE=page, TILE_N=tile_n,
+        FP8=fp8, FP8_E5M2=fp8 and quant.fp8_dtype == torch.float8_e5m2, IEEE=query.dtype == torch.float32,
+        NUM_SPLITS=num_splits,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(num_tokens, num_heads)](
+            out, part_acc, part_ml, out.stride(0), out.stride(1), num_heads,
+            HEAD=head, HEAD_PAD=head_pad, NUM_SPLITS=num_splits, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
+            num_warps=4 if head_pad >= 128 else 2,
+        )
+    return out

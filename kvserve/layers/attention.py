@@ -1,7 +1,9 @@
 """Attention layer over the paged KV cache: stores this step's K/V, then attends.
 
-Each layer owns its cache tensor and its per-tensor KV scales (``k_scale``, ``v_scale``; ``q_scale``
-and ``prob_scale`` are kept for vLLM parity but the reference read leaves the query unquantized)."""
+Each layer owns its cache tensor, its per-tensor KV scales (``k_scale``, ``v_scale``; ``q_scale``
+and ``prob_scale`` are kept for vLLM parity but the read leaves the query unquantized) and its
+backend: ``reference`` (plain torch, any device) or ``triton`` (fused store + unified paged
+attention kernels; CUDA, or the Triton interpreter)."""
 
 from __future__ import annotations
 
@@ -19,10 +21,16 @@ class AttentionMetadata:
     """Where this step's tokens go and what each sequence attends to (built by the runner)."""
 
     slot_mapping: torch.Tensor  # [num_tokens] int64, -1 = padding
-    block_tables: torch.Tensor  # [num_seqs, max_blocks] int64
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] (int64 reference, int32 triton)
     query_lens: list[int]  # new tokens per sequence
     seq_lens: list[int]  # context + new tokens per sequence
     block_size: int = 16
+    # triton backend: the same lengths as device tensors, and the batch maxima
+    query_start_loc: torch.Tensor | None = None  # [num_seqs + 1] int32
+    seq_lens_t: torch.Tensor | None = None  # [num_seqs] int32
+    max_query_len: int = 0
+    max_seq_len: int = 0
+    num_splits: int | None = None  # split-KV parts (None: chosen per batch; fixed in CUDA graphs)
     _plan: reference.AttentionPlan | None = None
 
     @property
@@ -46,10 +54,13 @@ class Attention(nn.Module):
         self.kv_cache: torch.Tensor | None = None  # bound by the model runner
         self.k_scale = self.v_scale = self.q_scale = self.prob_scale = 1.0  # set after loading
         self.cache_quant: reference.CacheQuant | None = None  # set by bind_kv_cache for fp8
+        self.backend = "reference"
 
-    def bind_kv_cache(self, kv_cache: torch.Tensor, kv_dtype: KVCacheDtype) -> None:
-        """Attach this layer's pages; an fp8 cache (uint8 bytes) also fixes the store/read scales."""
+    def bind_kv_cache(self, kv_cache: torch.Tensor, kv_dtype: KVCacheDtype, backend: str = "reference") -> None:
+        """Attach this layer's pages and backend; an fp8 cache (uint8 bytes) also fixes the
+        store/read scales."""
         self.kv_cache = kv_cache
+        self.backend = backend
         self.cache_quant = None
         if kv_dtype.is_fp8:
             assert kv_dtype.fp8_dtype is not None
@@ -60,6 +71,16 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hk, D] -> [T, Hq * D]."""
         assert self.kv_cache is not None, "KV cache not bound"
+        if self.backend == "triton":
+            from kvserve.kernels import triton_attention, triton_store
+
+            triton_store.store_kv(k, v, self.kv_cache, meta.slot_mapping, self.cache_quant)
+            assert meta.query_start_loc is not None and meta.seq_lens_t is not None
+            out = triton_attention.paged_attention(
+                q, self.kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens_t, self.scale,
+                meta.max_query_len, meta.max_seq_len, self.cache_quant, num_splits=meta.num_splits,
+            )
+            return out.flatten(1)
         reference.store_kv(k, v, self.kv_cache, meta.slot_mapping, self.cache_quant)
         out = reference.paged_attention(
             q, self.kv_cache, meta.block_tables, meta.query_lens, meta.seq_lens, self.scale, meta.plan,

@@ -3,6 +3,7 @@ forward pass, logits of the sampling positions, sampling."""
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import numpy as np
@@ -16,12 +17,24 @@ from kvserve.logger import init_logger
 from kvserve.models.registry import build_model
 from kvserve.quant.kv_scales import KVScaleLoader
 from kvserve.runner import memory
+from kvserve.runner.cuda_graphs import DecodeGraphs
 from kvserve.runner.sampler import Sampler, SampleResult, SamplingRow, gather_logprobs
 
 PromptLogprobRows = list[tuple[list[int], list[float], int]]
 _PROMPT_LOGPROB_CHUNK = 512  # rows of full-vocabulary logits computed at once
 
 logger = init_logger(__name__)
+
+
+def init_dummy_weights(model: torch.nn.Module, seed: int, low: float = -1e-3, high: float = 1e-3) -> None:
+    """``--load-format dummy``: every parameter uniform in [low, high] (vLLM's DummyModelLoader
+    range), seeded; norm weights too, so nothing is all zeros. For benchmarks only."""
+    gens: dict[torch.device, torch.Generator] = {}
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.device not in gens:
+                gens[p.device] = torch.Generator(device=p.device).manual_seed(seed)
+            p.uniform_(low, high, generator=gens[p.device])
 
 
 class ModelRunner:
@@ -44,7 +57,10 @@ class ModelRunner:
             torch.set_default_dtype(default_dtype)
         attention = {name: m for name, m in self.model.named_modules() if isinstance(m, Attention)}
         scales = KVScaleLoader(attention, cc.kv_quant)
-        self.model.load_weights(scales.filter(iterate_weights(mc.model)))
+        if mc.load_format == "dummy":
+            init_dummy_weights(self.model, mc.seed)
+        else:
+            self.model.load_weights(scales.filter(iterate_weights(mc.model)))
         scales.finish(self.kv_dtype)
         self.model.eval()
         logger.info(
@@ -65,6 +81,7 @@ class ModelRunner:
             budget = int(cc.kv_cache_memory or 0)
         cc.num_blocks = memory.plan_num_blocks(self.kv_spec, budget, mc.max_model_len, cc.num_gpu_blocks_override)
         memory.log_plan(self.kv_spec, cc.num_blocks, mc.max_model_len, self.device, self.kv_dtype.name)
+        self.backend = config.runner_config.attention_backend
         self.kv_caches = []
         for layer in self.model.attention_layers():
             # Zero-filled like vLLM's byte buffers (an fp8 cache starts as +0.0).
@@ -72,11 +89,16 @@ class ModelRunner:
                 (cc.num_blocks, 2, cc.block_size, mc.num_kv_heads, mc.head_size),
                 dtype=self.kv_spec.dtype, device=self.device,
             )
-            layer.bind_kv_cache(cache, self.kv_dtype)
+            layer.bind_kv_cache(cache, self.kv_dtype, self.backend)
             self.kv_caches.append(cache)
 
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
+        self.graphs: DecodeGraphs | None = None
+        rc = config.runner_config
+        if not rc.enforce_eager and rc.cudagraph_capture_sizes:
+            self.graphs = DecodeGraphs(self, rc.cudagraph_capture_sizes)
+            self.graphs.capture()
 
     def _profile_peak_bytes(self) -> int:
         """Activation peak of one max-size step, measured before the KV cache exists (GPU)."""
@@ -103,21 +125,27 @@ class ModelRunner:
         return gen
 
     def prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """Flatten the scheduled chunks into device tensors and the attention metadata."""
         bs = self.block_size
         ids: list[int] = []
         positions, slots, logits_idx = [], [], []
         query_lens, seq_lens = [], []
         max_blocks = max(len(s.block_ids) for s in sched.scheduled)
-        tables = np.zeros((len(sched.scheduled), max_blocks), dtype=np.int64)
+        triton = self.backend == "triton"
+        tables = np.zeros((len(sched.scheduled), max_blocks), dtype=np.int32 if triton else np.int64)
         offset = 0
         for row, s in enumerate(sched.scheduled):
             start, n = s.num_computed_tokens, s.num_new_tokens
-            ids.extend(s.request.all_token_ids[start : start + n])
-            pos = np.arange(start, start + n, dtype=np.int64)
-            table = np.asarray(s.block_ids, dtype=np.int64)
-            tables[row, : len(table)] = table
-            positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
+            tables[row, : len(s.block_ids)] = s.block_ids
+            if n == 1:  # decode: no numpy per row
+                ids.append(s.request.all_token_ids[start])
+                positions.append(start)
+                slots.append(s.block_ids[start // bs] * bs + start % bs)
+            else:
+                ids.extend(s.request.all_token_ids[start : start + n])
+                pos = np.arange(start, start + n, dtype=np.int64)
+                positions.extend(pos.tolist())
+                slots.extend((tables[row][pos // bs].astype(np.int64) * bs + pos % bs).tolist())
             query_lens.append(n)
             seq_lens.append(start + n)
             offset += n
@@ -125,14 +153,25 @@ class ModelRunner:
                 logits_idx.append(offset - 1)
         dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
-            block_tables=torch.from_numpy(tables).to(dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True),
+            block_tables=torch.from_numpy(tables).to(dev, non_blocking=True),
             query_lens=query_lens,
             seq_lens=seq_lens,
             block_size=bs,
         )
-        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        pos_t = torch.from_numpy(np.concatenate(positions)).to(dev)
+        if triton:
+            meta.query_start_loc = torch.tensor([0] + list(itertools.accumulate(query_lens)), dtype=torch.int32).to(dev, non_blocking=True)
+            meta.seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True)
+            meta.max_query_len, meta.max_seq_len = max(query_lens), max(seq_lens)
+            if meta.max_query_len == 1 and dev.type == "cuda":
+                # split-KV sized as in the CUDA graphs (by batch size and max_model_len), so eager
+                # and graph decode run the same kernels and give the same bits
+                from kvserve.kernels.triton_attention import choose_num_splits
+
+                mc = self.config.model_config
+                meta.num_splits = choose_num_splits(len(query_lens), mc.num_kv_heads, mc.max_model_len, dev)
+        input_ids = torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True)
+        pos_t = torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True)
         return input_ids, pos_t, meta, logits_idx
 
     @torch.inference_mode()
@@ -140,7 +179,10 @@ class ModelRunner:
         """Run one step. Returns the sampled token of every request that reached its last known
         token, and prompt logprobs for the prompt positions this step computed (when asked)."""
         input_ids, positions, meta, logits_idx = self.prepare(sched)
-        hidden = self.model(input_ids, positions, meta)
+        if self.graphs is not None and self.graphs.can_run(meta):
+            hidden = self.graphs.run(input_ids, positions, meta)
+        else:
+            hidden = self.model(input_ids, positions, meta)
         prompt_lps = self._prompt_logprobs(sched, hidden)
         sampling = [s for s in sched.scheduled if s.samples]
         if not sampling:

@@ -123,24 +123,29 @@ class Sampler:
         tokens = logits.argmax(dim=-1)  # greedy rows (ties: lowest id, as vLLM)
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
         if random_rows:
-            idx = torch.tensor(random_rows, device=logits.device)
+            dev = logits.device
+            params = [rows[i].params for i in random_rows]
+            idx = torch.tensor(random_rows, device=dev)
             sub = logits[idx]
-            temps = torch.tensor([rows[i].params.temperature for i in random_rows], device=logits.device)
+            # per-row values go to the device in one copy each; which steps apply is decided on the host
+            temps = torch.tensor([p.temperature for p in params], dtype=torch.float32).to(dev, non_blocking=True)
             sub = sub / temps.unsqueeze(1)
-            min_p = torch.tensor([rows[i].params.min_p for i in random_rows], device=logits.device)
-            if bool((min_p > 0).any()):
+            if any(p.min_p > 0 for p in params):
+                min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32).to(dev, non_blocking=True)
                 probs = sub.softmax(dim=-1)
                 thresh = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
                 sub = sub.masked_fill(probs < thresh, float("-inf"))
-            k = torch.tensor([rows[i].params.top_k for i in random_rows], device=logits.device)
-            p = torch.tensor([rows[i].params.top_p for i in random_rows], device=logits.device)
-            use_k, use_p = bool((k > 0).any()), bool((p < 1).any())
+            use_k, use_p = any(p.top_k > 0 for p in params), any(p.top_p < 1 for p in params)
             if use_k or use_p:
-                sub = _apply_top_k_top_p(sub, k if use_k else None, p if use_p else None)
+                k = torch.tensor([p.top_k for p in params]).to(dev, non_blocking=True) if use_k else None
+                top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32).to(dev, non_blocking=True) if use_p else None
+                sub = _apply_top_k_top_p(sub, k, top_p)
             probs = sub.softmax(dim=-1)
-            q = torch.empty_like(probs)
+            # exponential race: unseeded rows share one draw; a seeded row draws from its generator
+            q = torch.empty_like(probs).exponential_()
             for j, i in enumerate(random_rows):
-                q[j].exponential_(generator=rows[i].generator)
+                if rows[i].generator is not None:
+                    q[j].exponential_(generator=rows[i].generator)
             tokens[idx] = probs.div(q).argmax(dim=-1)
 
         token_list = tokens.tolist()

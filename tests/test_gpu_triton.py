@@ -1,0 +1,62 @@
+"""GPU-only (H200): the triton backend with CUDA graphs against the reference backend, graphs
+against eager, and graph replay with padded batches. Skipped without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+# different prompt lengths and output lengths: decode batches shrink 6 -> 1 (graph padding)
+PROMPTS = [{"prompt_token_ids": [(7 * i + 3 * n) % 500 + 3 for i in range(n)]} for n in (5, 37, 64, 130, 300, 17)]
+MAX_TOKENS = (40, 7, 25, 3, 33, 18)
+
+
+def _tokens(llm: LLM) -> list[list[int]]:
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    llm.llm_engine.kv_manager.check_invariants()
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def _llm(folder, **kw) -> LLM:
+    return LLM(str(folder), gpu_memory_utilization=0.3, max_num_seqs=8, max_model_len=512, **kw)
+
+
+@pytest.mark.parametrize("kv", ["auto", "fp8_e4m3", "fp8_e5m2"])
+def test_triton_with_graphs_gives_reference_tokens_fp32(make_tiny_model, kv):
+    folder = make_tiny_model("qwen3")
+    ref = _tokens(_llm(folder, dtype="float32", kv_cache_dtype=kv, attention_backend="reference"))
+    llm = _llm(folder, dtype="float32", kv_cache_dtype=kv)
+    runner = llm.llm_engine.runner
+    assert runner.backend == "triton" and runner.graphs is not None
+    assert runner.graphs.sizes == [1, 2, 4, 8]
+    replays: list[int] = []
+    real_run = runner.graphs.run
+
+    def spy(input_ids, positions, meta):
+        replays.append(len(meta.query_lens))
+        return real_run(input_ids, positions, meta)
+
+    runner.graphs.run = spy
+    assert _tokens(llm) == ref
+    assert {3, 5, 6} & set(replays), f"padded decode batches should replay graphs, saw {sorted(set(replays))}"
+
+
+@pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
+def test_graphs_equal_eager_bf16(make_tiny_model, kv):
+    folder = make_tiny_model("llama", num_attention_heads=8, num_key_value_heads=2, hidden_size=256, head_dim=128)
+    eager = _tokens(_llm(folder, dtype="bfloat16", kv_cache_dtype=kv, enforce_eager=True))
+    graphs = _tokens(_llm(folder, dtype="bfloat16", kv_cache_dtype=kv))
+    assert graphs == eager
+
+
+def test_enforce_eager_captures_nothing(make_tiny_model):
+    llm = _llm(make_tiny_model("llama"), dtype="bfloat16", enforce_eager=True)
+    assert llm.llm_engine.runner.graphs is None

@@ -1,0 +1,108 @@
+"""The triton attention backend inside the engine (CPU: Triton interpreter), its flags, and the
+dummy weight loader. Kernel-level checks live in test_triton_kernels.py; CUDA graphs in
+test_gpu_triton.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.config import EngineArgs, cudagraph_capture_sizes, resolve_attention_backend
+from triton_support import skip_without_triton_device
+
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paged attention stores keys and values in fixed-size blocks. " * 3,
+    "def main():\n    return 42\n",
+    "The quick brown fox jumps over the lazy dog. Paged attention",  # shares a cached prefix
+]
+
+
+def _run(folder, backend: str, kv: str, preemptions: list[int] | None = None, **kw) -> list[list[int]]:
+    llm = LLM(
+        str(folder), attention_backend=backend, kv_cache_dtype=kv, dtype="float32", max_num_seqs=4,
+        max_num_batched_tokens=16, **{"kv_cache_memory": 1 << 22, **kw},
+    )
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (9, 12, 5, 7)]
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    llm.llm_engine.kv_manager.check_invariants()
+    if preemptions is not None:
+        preemptions.append(llm.llm_engine.scheduler.num_preemptions)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@skip_without_triton_device()
+@pytest.mark.parametrize("kv", ["auto", "fp8_e4m3", "fp8_e5m2"])
+def test_triton_backend_gives_the_reference_tokens(make_tiny_model, kv, one_thread):
+    """Chunked prefill (16-token budget), a prefix-cache hit, decodes of shrinking batches: the
+    fused store + unified kernel give the reference backend's greedy tokens, float and fp8 caches."""
+    folder = make_tiny_model("qwen3")
+    ref = _run(folder, "reference", kv)
+    assert _run(folder, "triton", kv) == ref
+    assert len({tuple(t) for t in ref}) == len(ref)  # distinct outputs: the check can fail
+
+
+@skip_without_triton_device()
+def test_triton_backend_survives_preemption(make_tiny_model, one_thread):
+    """A pool too small for all four requests preempts and recomputes; tokens do not change."""
+    folder = make_tiny_model("llama")
+    roomy = _run(folder, "triton", "fp8_e4m3")
+    count: list[int] = []
+    tight = _run(folder, "triton", "fp8_e4m3", count, num_gpu_blocks_override=6, max_model_len=96)
+    assert count[0] > 0, "the pool was meant to force preemption"
+    assert tight == roomy
+
+
+def test_backend_resolution(monkeypatch):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_attention_backend("auto", cpu) == "reference"
+    assert resolve_attention_backend("auto", cuda) == "triton"
+    assert resolve_attention_backend("reference", cuda) == "reference"
+    with pytest.raises(ValueError, match=r"Unknown attention backend: 'flash'.*'auto', 'reference', 'triton'"):
+        resolve_attention_backend("flash", cpu)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="--attention-backend triton needs a CUDA device, got device 'cpu'"):
+        resolve_attention_backend("triton", cpu)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert resolve_attention_backend("triton", cpu) == "triton"
+
+
+def test_cudagraph_capture_sizes_follow_vllm():
+    sizes = cudagraph_capture_sizes(256)
+    assert sizes[:4] == [1, 2, 4, 8] and sizes[-1] == 256
+    assert all(b - a == 8 for a, b in zip(sizes[3:], sizes[4:]))
+    big = cudagraph_capture_sizes(1024)
+    assert big[-1] == 512 and big[big.index(256) + 1] == 272  # multiples of 16 past 256, capped at 512
+    assert cudagraph_capture_sizes(10) == [1, 2, 4, 8, 10]  # max_num_seqs itself gets a graph
+    assert cudagraph_capture_sizes(256, 64)[-1] == 64
+    with pytest.raises(ValueError, match="max_cudagraph_capture_size must be non-negative, got -1"):
+        cudagraph_capture_sizes(8, -1)
+
+
+def test_cpu_runs_eager_with_the_reference_backend(tiny):
+    cfg = EngineArgs(model=str(tiny), device="cpu", kv_cache_memory=1 << 22).create_engine_config()
+    assert cfg.runner_config.attention_backend == "reference"
+    assert cfg.runner_config.enforce_eager
+
+
+def test_unknown_load_format_is_rejected(tiny):
+    with pytest.raises(ValueError, match=r"Unknown load_format: 'pt'.*'auto', 'safetensors', 'dummy'"):
+        EngineArgs(model=str(tiny), device="cpu", load_format="pt", kv_cache_memory=1 << 22).create_engine_config()
+
+
+def test_dummy_weights_are_random_and_seeded(tiny):
+    """--load-format dummy: no checkpoint read, every parameter uniform in [-1e-3, 1e-3], not zeros."""
+    a = LLM(str(tiny), load_format="dummy", kv_cache_memory=1 << 22, seed=3)
+    b = LLM(str(tiny), load_format="dummy", kv_cache_memory=1 << 22, seed=3)
+    real = LLM(str(tiny), kv_cache_memory=1 << 22)
+    pa = dict(a.llm_engine.runner.model.named_parameters())
+    pb = dict(b.llm_engine.runner.model.named_parameters())
+    pr = dict(real.llm_engine.runner.model.named_parameters())
+    for name, p in pa.items():
+        assert p.abs().max() <= 1e-3 and p.abs().max() > 0, name
+        assert p.unique().numel() > min(10, p.numel() // 2), name
+        assert torch.equal(p, pb[name]), name
+        assert not torch.equal(p, pr[name]), name
+    out = a.generate(["hello"], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
