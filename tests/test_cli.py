@@ -42,3 +42,9 @@ def test_chat_streams_one_reply_per_line_and_exits_on_eof(make_tiny_model):
     replies = [line.split("assistant> ", 1)[1] for line in res.stdout.splitlines() if "assistant> " in line]
     assert len(replies) == 2  # one streamed reply per user line; EOF ends the session cleanly
     assert "Traceback" not in res.stderr
+
+
+def test_serve_refuses_skip_tokenizer_init(tiny):
+    res = _kvserve("serve", str(tiny), "--skip-tokenizer-init", "--kv-cache-memory", KV)
+    assert res.returncode != 0
+    assert "--skip-tokenizer-init is only supported offline" in res.stderr

@@ -26,7 +26,7 @@ def _tokens(llm: LLM) -> list[list[int]]:
 
 
 def _llm(folder, **kw) -> LLM:
-    return LLM(str(folder), gpu_memory_utilization=0.3, max_num_seqs=8, max_model_len=512, **kw)
+    return LLM(str(folder), kv_cache_memory=1 << 26, max_num_seqs=8, max_model_len=512, **kw)
 
 
 @pytest.mark.parametrize("kv", ["auto", "fp8_e4m3", "fp8_e5m2"])

@@ -175,9 +175,17 @@ def test_store_empty_and_all_padding():
         _check_store(k, v, slots, (2, 2, 16, 1, 64), "fp8_e4m3", _quant("fp8_e4m3", 3.1, 0.37), gen)
 
 
-@pytest.mark.parametrize("cache", ["bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2"])
-@pytest.mark.parametrize("hk,d,bs", [(8, 128, 16), (8, 256, 32), (4, 96, 16), (16, 128, 32)])
-@pytest.mark.parametrize("in_dtype", ["bf16", "fp16", "fp32"])
+# Every input dtype x every cache dtype once, the shapes cycled (each case compiles a kernel).
+_STORE_SHAPES = [(8, 128, 16), (8, 256, 32), (4, 96, 16), (16, 128, 32)]
+STORE_GPU_CASES = [
+    (in_dtype, *_STORE_SHAPES[i % len(_STORE_SHAPES)], cache)
+    for i, (in_dtype, cache) in enumerate(
+        (a, c) for a in ["bf16", "fp16", "fp32"] for c in ["bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2"]
+    )
+]
+
+
+@pytest.mark.parametrize("in_dtype,hk,d,bs,cache", STORE_GPU_CASES)
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
 def test_store_bit_exact_gpu(in_dtype, hk, d, bs, cache):
@@ -385,9 +393,14 @@ def _gpu_batch(gen: torch.Generator) -> tuple[list[int], list[int]]:
     return [qlens[i] for i in order], [slens[i] for i in order]
 
 
-@pytest.mark.parametrize("cache", GPU_CACHES)
-@pytest.mark.parametrize("d", [64, 128, 256])
-@pytest.mark.parametrize("hq,hk", GPU_GQA)
+# Every cache dtype x every head size once, the GQA shapes cycled (each case compiles kernels).
+MIXED_GPU_CASES = [
+    (*GPU_GQA[i % len(GPU_GQA)], d, cache)
+    for i, (d, cache) in enumerate((d, c) for d in (64, 128, 256) for c in GPU_CACHES)
+]
+
+
+@pytest.mark.parametrize("hq,hk,d,cache", MIXED_GPU_CASES)
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
 def test_attention_mixed_batch_gpu(hq, hk, d, cache):
@@ -400,9 +413,13 @@ def test_attention_mixed_batch_gpu(hq, hk, d, cache):
     _check_attention(b)
 
 
-@pytest.mark.parametrize("num_splits", [None, 3, 16])
-@pytest.mark.parametrize("cache", ["bf16", "fp32", "fp8_e4m3", "fp8_e5m2"])
-@pytest.mark.parametrize("d", [64, 128, 256])
+DECODE_GPU_CASES = [
+    (d, cache, [None, 3, 16][i % 3])
+    for i, (d, cache) in enumerate((d, c) for d in (64, 128, 256) for c in ["bf16", "fp32", "fp8_e4m3", "fp8_e5m2"])
+]
+
+
+@pytest.mark.parametrize("d,cache,num_splits", DECODE_GPU_CASES)
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
 def test_attention_decode_only_gpu(d, cache, num_splits):
@@ -411,3 +428,17 @@ def test_attention_decode_only_gpu(d, cache, num_splits):
     qd = "fp32" if cache == "fp32" else "bf16"
     b = _make_batch([1] * len(seq_lens), seq_lens, 32, 8, d, 16, FLOAT[qd], cache, gen)
     _check_attention(b, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("q_mag", [3e4, 1e-5])
+@pytest.mark.parametrize("cache", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_pages_with_queries_beyond_fp16_range(cache, q_mag):
+    """fp8 pages are read in fp16 with the query rescaled by a power of two: bf16 queries far
+    above fp16's max (65504 after the dot's growth) or deep in its subnormals still match."""
+    gen = _gen("qrange", cache, q_mag)
+    b = _make_batch(MIXED_QLENS, MIXED_SEQLENS, 4, 2, 64, 16, torch.bfloat16, cache, gen)
+    b.query.mul_(q_mag)
+    assert bool(torch.isfinite(b.query).all())
+    if q_mag > 1:
+        assert float(b.query.float().abs().max()) > 65504  # would overflow fp16 as it is
+    _check_attention(b)

@@ -119,16 +119,19 @@ class IncrementalDetokenizer:
     token does not grow with length), min_tokens-aware stop-string search and stream hold-back."""
 
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """``tokenizer`` None (``skip_tokenizer_init``): vLLM's no-op detokenizer -- no text, and
+        stop strings are not looked for (``IncrementalDetokenizer.from_new_request``)."""
         self.params = params
-        rust = _rust_tokenizer(tokenizer) if params.detokenize else None
+        detokenize = params.detokenize and tokenizer is not None
+        rust = _rust_tokenizer(tokenizer) if detokenize else None
         self._decoder: _FastDecoder | _SlowDecoder | None = None
         if rust is not None:
             self._decoder = _FastDecoder(rust, prompt_token_ids, params)
-        elif params.detokenize:
+        elif detokenize:
             self._decoder = _SlowDecoder(tokenizer, prompt_token_ids, params)
         self.output_text = ""
         self.num_output_tokens = 0
-        self.stop = list(params.stop or [])
+        self.stop = list(params.stop or []) if tokenizer is not None else []
         self.stop_buffer_length = (
             max(len(s) for s in self.stop) - 1 if self.stop and not params.include_stop_str_in_output else 0
         )

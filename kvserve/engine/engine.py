@@ -29,11 +29,21 @@ def load_tokenizer(path: str) -> Any:
     return AutoTokenizer.from_pretrained(path)
 
 
+# vLLM's text for text prompts (and chat) without a tokenizer (``InputPreprocessor`` / renderer).
+NO_TOKENIZER_TEXT_PROMPT = "You cannot pass text prompts when `skip_tokenizer_init=True`"
+
+
 def _generation_eos_ids(model_path: str) -> list[int]:
-    gen = Path(model_path) / "generation_config.json"
-    if not gen.is_file():
-        return []
-    eos = json.loads(gen.read_text()).get("eos_token_id")
+    """EOS ids of the generation config, as vLLM's ``try_get_generation_config``: the folder's
+    ``generation_config.json``, else the one transformers derives from ``config.json``
+    (``GenerationConfig.from_model_config``, which copies its ``eos_token_id``)."""
+    folder = Path(model_path)
+    eos = None
+    for name in ("generation_config.json", "config.json"):
+        path = folder / name
+        if path.is_file():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+            break
     if eos is None:
         return []
     return [eos] if isinstance(eos, int) else list(eos)
@@ -44,10 +54,15 @@ class Engine:
         from kvserve.runner.model_runner import ModelRunner
 
         self.config = config
-        self.tokenizer = load_tokenizer(config.tokenizer)
+        # skip_tokenizer_init (config.tokenizer is None): no tokenizer, token-id prompts only, no
+        # output text (vLLM: the detokenizer is a no-op, the EOS id of the tokenizer is None and
+        # only the generation config's EOS ids stop a request, as stop token ids).
+        self.tokenizer: Any = None if config.tokenizer is None else load_tokenizer(config.tokenizer)
         # the Rust tokenizer decodes much faster than the Python wrapper; same text
         self.decoder = getattr(self.tokenizer, "backend_tokenizer", None) or self.tokenizer
-        self.eos_token_id: int | None = self.tokenizer.eos_token_id
+        if self.tokenizer is None:
+            logger.warning("Using None for EOS token id because tokenizer is not initialized")
+        self.eos_token_id: int | None = None if self.tokenizer is None else self.tokenizer.eos_token_id
         self.extra_eos_ids = _generation_eos_ids(config.model_config.model)
         self.runner = ModelRunner(config)
         cc = config.cache_config
@@ -55,7 +70,9 @@ class Engine:
         self.scheduler = Scheduler(config.scheduler_config, self.kv_manager)
         self.states: dict[str, RequestState] = {}
         self.parents: dict[str, ParentRequest] = {}
-        self.vocab_size = max(config.model_config.vocab_size, len(self.tokenizer))
+        self.vocab_size = config.model_config.vocab_size
+        if self.tokenizer is not None:
+            self.vocab_size = max(self.vocab_size, len(self.tokenizer))
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "Engine":
@@ -72,6 +89,8 @@ class Engine:
             elif isinstance(prompt.get("prompt"), str):
                 ids = prompt["prompt"]
         if isinstance(ids, str):
+            if self.tokenizer is None:
+                raise ValueError(NO_TOKENIZER_TEXT_PROMPT)
             return ids, list(self.tokenizer(ids).input_ids)
         if isinstance(ids, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             return text, list(ids)

@@ -69,7 +69,12 @@ class LLM:
         self.request_counter = itertools.count()
 
     def get_tokenizer(self) -> Any:
-        return self.llm_engine.tokenizer
+        """The tokenizer; with ``skip_tokenizer_init=True`` there is none and, as vLLM's
+        ``LLMEngine.get_tokenizer``, this raises (``llm.llm_engine.tokenizer`` is then None)."""
+        tokenizer = self.llm_engine.tokenizer
+        if tokenizer is None:
+            raise ValueError("Unable to get tokenizer because `skip_tokenizer_init=True`")
+        return tokenizer
 
     def generate(
         self,
@@ -174,6 +179,8 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         tok = self.llm_engine.tokenizer
+        if tok is None:  # vLLM's renderer: BaseRenderer.get_tokenizer
+            raise ValueError("Tokenizer not available when `skip_tokenizer_init=True`")
         ids = tok.apply_chat_template(
             conversation,
             chat_template=chat_template,

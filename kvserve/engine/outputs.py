@@ -82,7 +82,11 @@ class RequestState:
         """The token first with its true rank, then the top-k at ranks 1..k (vLLM's dict)."""
         entry: dict[int, Logprob] = {}
         for tid, val, r in zip(ids, values, [rank] + list(range(1, len(ids)))):
-            decoded = self.tokenizer.decode([tid], skip_special_tokens=False) if self.params.detokenize else None
+            decoded = (
+                self.tokenizer.decode([tid], skip_special_tokens=False)
+                if self.params.detokenize and self.tokenizer is not None
+                else None
+            )
             entry[tid] = Logprob(val, r, decoded)
         return entry
 

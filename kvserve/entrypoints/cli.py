@@ -1,4 +1,4 @@
-"""The ``kvserve`` command: generate, chat, parity, serve, traffic, bench serve."""
+"""The ``kvserve`` command: generate, chat, parity, serve, traffic, bench serve, bench throughput."""
 
 from __future__ import annotations
 
@@ -164,7 +164,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(sub)
     add_traffic_parser(sub)
     add_bench_parser(sub)
+    _add_bench_throughput_parser(sub)
     return parser
+
+
+def _add_bench_throughput_parser(sub: Any) -> None:
+    """``kvserve bench throughput`` next to ``bench serve``: the same ``bench`` sub-commands."""
+    from kvserve.bench.throughput import add_parser as add_throughput_parser
+
+    bench = sub.choices["bench"]
+    bench_sub = next(a for a in bench._actions if isinstance(a, argparse._SubParsersAction))
+    add_throughput_parser(bench_sub, _add_engine_args)
 
 
 def main(argv: list[str] | None = None) -> int:

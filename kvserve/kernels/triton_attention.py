@@ -46,7 +46,9 @@ def _find_seq(query_start_ptr, target, num_seqs, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
+# Lengths and batch-dependent values are not specialized (Triton would compile a variant per
+# divisibility class of each, mid-serving); model-constant strides and sizes are.
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt", "num_splits", "stride_qt", "stride_ot"])
 def _attention_kernel(
     out_ptr, part_acc_ptr, part_ml_ptr,
     q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
@@ -56,11 +58,12 @@ def _attention_kernel(
     stride_ot, stride_oh,
     stride_cb, stride_ckv, stride_cs, stride_ch,
     stride_bt,
+    num_splits,
     G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD: tl.constexpr, HEAD_PAD: tl.constexpr,
     PAGE: tl.constexpr, TILE_N: tl.constexpr,
     FP8: tl.constexpr, FP8_E5M2: tl.constexpr, IEEE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -90,6 +93,17 @@ def _attention_kernel(
     if FP8:
         k_mul = qk_scale * tl.load(k_scale_ptr)
         v_mul = tl.load(v_scale_ptr)
+        if not IEEE:
+            # fp8 pages convert to fp16 in one instruction per pair (to bf16 it takes several), and
+            # fp16 holds every fp8 value exactly. The query is brought into fp16 range by a power of
+            # two 2^(14 - e), e = floor(log2 max|q|), exact for bf16 values; the scores undo it.
+            qf = q.to(tl.float32)
+            q_max = tl.max(tl.max(tl.abs(qf), axis=1), axis=0)
+            e = ((q_max.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+            e = tl.minimum(tl.maximum(e, -100), 100)
+            q_mul = ((127 + 14 - e) << 23).to(tl.float32, bitcast=True)
+            q = (qf * q_mul).to(tl.float16)
+            k_mul = k_mul / q_mul
     else:
         k_mul = qk_scale
         v_mul = 1.0
@@ -97,7 +111,7 @@ def _attention_kernel(
     # Keys this block can see: its context plus its own chunk up to its last token.
     num_keys = context + tl.minimum(q_off + BLOCK_Q, q_len)
     num_tiles = tl.cdiv(num_keys, TILE_N)
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
     tile_lo = split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
 
@@ -143,7 +157,7 @@ def _attention_kernel(
         m_i = m_new
 
     out_row = q_start + tok
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         o = acc / l_safe[:, None] * v_mul
         tl.store(
@@ -152,23 +166,23 @@ def _attention_kernel(
         )
     else:
         # Partials: acc [T, Hq, S, HEAD_PAD] (unnormalized, v-scaled), (m, l) [T, Hq, S, 2].
-        part = (out_row * (G * tl.num_programs(1)) + head) * NUM_SPLITS + split
+        part = (out_row * (G * tl.num_programs(1)) + head) * num_splits + split
         tl.store(part_acc_ptr + part[:, None] * HEAD_PAD + d[None, :], acc * v_mul, mask=row_ok[:, None])
         tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
         tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(
-    out_ptr, part_acc_ptr, part_ml_ptr, stride_ot, stride_oh, num_heads,
-    HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    out_ptr, part_acc_ptr, part_ml_ptr, stride_ot, stride_oh, num_heads, num_splits,
+    HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
 ):
     """out[t, h] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the splits of one row."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, SPLITS_PAD)
-    s_ok = s < NUM_SPLITS
-    base = (t * num_heads + h) * NUM_SPLITS
+    s_ok = s < num_splits
+    base = (t * num_heads + h) * num_splits
     m = tl.load(part_ml_ptr + (base + s) * 2, mask=s_ok, other=float("-inf"))
     l = tl.load(part_ml_ptr + (base + s) * 2 + 1, mask=s_ok, other=0.0)
     m_max = tl.max(m, axis=0)
@@ -188,24 +202,27 @@ def _num_sms(device_index: int) -> int:
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device, tile_n: int = 64) -> int:
-    """Split-KV parts for a decode-only batch: enough programs for ~2 waves of the GPU, each part
+    """Split-KV parts for a decode-only batch: enough programs for ~4 per multiprocessor, each part
     at least 4 tiles of keys; 1 (no split) off CUDA or when the batch already fills the GPU."""
     if device.type != "cuda":
         return 1
     programs = num_seqs * num_kv_heads
-    target = 2 * _num_sms(device.index or 0)
+    target = 4 * _num_sms(device.index or 0)
     if programs >= target:
         return 1
     by_work = max(1, triton.cdiv(max_seq_len, 4 * tile_n))
     return int(max(1, min(triton.cdiv(target, programs), by_work, 32)))
 
 
-def _tile_config(max_query_len: int, group: int, head_pad: int, is_cuda: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_M, TILE_N, num_warps, num_stages) for the batch shape."""
+def _tile_config(
+    max_query_len: int, group: int, head_pad: int, is_cuda: bool, fp8: bool = False
+) -> tuple[int, int, int, int]:
+    """(BLOCK_M, TILE_N, num_warps, num_stages) for the batch shape (tuned on the H200, see
+    benchmarks/decode_probe.py: decode tiles of ~16 KB of K per stage)."""
     g = triton.next_power_of_2(group)
     if max_query_len == 1:
         block_m = max(16, g)  # one decode token x G heads, padded for tl.dot
-        tile_n = 64 if head_pad <= 128 else 32
+        tile_n = (128 if fp8 else 64) if head_pad <= 128 else (64 if fp8 else 32)
         return block_m, tile_n, 4, (3 if is_cuda else 1)
     block_m = max(64, g) if head_pad <= 128 else max(32, g)
     tile_n = 64 if head_pad <= 128 else 32
@@ -224,12 +241,14 @@ def paged_attention(
     quant: CacheQuant | None = None,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    tiles: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of every sequence's new tokens; see the module docstring.
 
     query [T, Hq, D]; kv_cache [NB, 2, BS, Hk, D] (uint8 for fp8, with ``quant``); block_tables
     [B, M] int32; query_start_loc [B + 1] int32; seq_lens [B] int32. ``num_splits`` None picks
-    split-KV automatically for decode-only batches; an int forces it. Returns ``out`` [T, Hq, D]."""
+    split-KV automatically for decode-only batches; an int forces it. ``tiles`` overrides the
+    (BLOCK_M, TILE_N, num_warps, num_stages) choice (for tuning). Returns ``out`` [T, Hq, D]."""
     num_tokens, num_heads, head = query.shape
     _, _, page, num_kv_heads, head_c = kv_cache.shape
     assert head_c == head and num_heads % num_kv_heads == 0, "query / cache shapes do not match"
@@ -246,7 +265,7 @@ def paged_attention(
     group = num_heads // num_kv_heads
     head_pad = triton.next_power_of_2(head)
     is_cuda = query.device.type == "cuda"
-    block_m, tile_n, num_warps, num_stages = _tile_config(max_query_len, group, head_pad, is_cuda)
+    block_m, tile_n, num_warps, num_stages = tiles or _tile_config(max_query_len, group, head_pad, is_cuda, quant is not None)
     block_q = block_m // triton.next_power_of_2(group)
     if num_splits is None:
         num_splits = (
@@ -274,16 +293,17 @@ def paged_attention(
         out.stride(0), out.stride(1),
         cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
         block_tables.stride(0),
+        num_splits,
         G=group, BLOCK_M=block_m, BLOCK_Q=block_q,
         HEAD=head, HEAD_PAD=head_pad, PAGE=page, TILE_N=tile_n,
         FP8=fp8, FP8_E5M2=fp8 and quant.fp8_dtype == torch.float8_e5m2, IEEE=query.dtype == torch.float32,
-        NUM_SPLITS=num_splits,
+        SPLIT=num_splits > 1,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
-            out, part_acc, part_ml, out.stride(0), out.stride(1), num_heads,
-            HEAD=head, HEAD_PAD=head_pad, NUM_SPLITS=num_splits, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
+            out, part_acc, part_ml, out.stride(0), out.stride(1), num_heads, num_splits,
+            HEAD=head, HEAD_PAD=head_pad, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
             num_warps=4 if head_pad >= 128 else 2,
         )
     return out

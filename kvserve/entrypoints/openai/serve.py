@@ -46,6 +46,11 @@ def run(args: argparse.Namespace) -> int:
         if args.model is not None and args.model != args.model_tag:
             raise ValueError(f"model given twice: positional {args.model_tag!r} and --model {args.model!r}")
         args.model = args.model_tag
+    if args.skip_tokenizer_init:
+        raise ValueError(
+            "kvserve serve needs a tokenizer (chat templates, text prompts, decoded logprobs): "
+            "--skip-tokenizer-init is only supported offline (LLM, kvserve bench throughput)."
+        )
     api_key = args.api_key or os.environ.get("VLLM_API_KEY") or os.environ.get("KVSERVE_API_KEY")
     async_llm = AsyncLLM.from_engine_args(EngineArgs(**_llm_kwargs(args)))
     name = args.served_model_name or args.model or str(async_llm.engine.config.model_config.model)

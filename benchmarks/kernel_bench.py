@@ -1,0 +1,1019 @@
+#!/usr/bin/env python
+"""Kernel benchmark: KV store, paged decode and prefill attention against the copy-bandwidth
+ceiling, with PyTorch FlexAttention (decode) and SDPA (prefill) as peers. One run, one JSON.
+
+Usage:
+    python3 benchmarks/kernel_bench.py --out $OUT/kernels.json          # the H200 run (~4-5 min)
+    python3 benchmarks/kernel_bench.py --smoke                          # CPU: every code path, tiny
+    python3 benchmarks/kernel_bench.py --smoke --impl reference         # without the Triton kernels
+Options worth knowing: --sections copy,store,prefill,decode (decode includes flex); --no-flex,
+--no-flex-fp8, --no-ours-decode (flex only); --batches 1,8 --contexts 1024,4096; --flex-variants
+auto|both|full|partial; --flex-page-size 128; --int32-pools (keep every cache tensor under 2^31
+elements, dropping the big points); --time-budget-s 480 (remaining points are skipped, never the
+JSON/table); --no-graph.
+
+--smoke on a machine without CUDA sets TRITON_INTERPRET=1 before the kernels are imported, patches
+the interpreter's two known bugs (float down-casts, bf16 tl.dot: tests/triton_support.py, with a
+copy here as fallback), forces num_splits=2 once per decode point (the auto choice never splits off
+CUDA), and finally stores/attends at the far end of pools of more than 2^31 elements (32-bit offset
+arithmetic in a kernel shows up there as a segfault or a failed check, instead of an illegal memory
+access on the GPU).
+
+What is measured (all in one process, one GPU):
+  copy     dst.copy_(src) of 2 GiB bf16: (read + write bytes) / time = the ceiling for every "%cp".
+  store    kvserve.kernels.triton_store.store_kv: T x Hk x D bf16 K and V into a bf16 and an fp8_e4m3
+           cache at T random distinct slots of the large decode pool. bytes = K,V read + cache rows
+           written + slot ids.
+  prefill  one sequence of T tokens, no cached context, bf16 pages: our paged_attention (store not
+           included) vs F.scaled_dot_product_attention(is_causal, enable_gqa) on contiguous q/k/v,
+           and vs SDPA on K/V repeated to Hq heads (the faster SDPA is the peer). TFLOP/s with causal
+           flops 2*2*T*T/2*Hq*D.
+  decode   batch x context grid, 1 query token per sequence, block size 16, block tables = random
+           blocks of one pool sized for the largest point (same pool for every point), bf16 pages and
+           fp8_e4m3 pages (k_scale 0.02, v_scale 0.015), num_splits=None (auto). bytes = KV read +
+           q + out + block table/seq_lens/query_start_loc. tokens/s = batch / time.
+  flex     the same decode points through torch FlexAttention's paged path (benchmarks/flex_paged.py:
+           page size 128, PagedAttention page table over a pool of the same byte size, converted
+           BlockMask, torch.compile(dynamic=False)); bf16 and fp8 pages (bf16 query, K/V upcast in
+           the kernel). "auto" picks the mask structure flex is fastest with for that batch.
+
+Timing: triton.testing.do_bench median (it zeroes a 256 MB buffer before every call, so each call
+starts with a cold L2; events bracket the call only); warm-up and compile happen before. Inputs are
+random (never zeros); outputs are poisoned with NaN before the checked call. Cross-check (--graph,
+default on GPU): a CUDA graph of n x [128 MB L2 flush, call] minus a graph of n x [flush], per call;
+it removes launch overhead. Both are in the JSON ("ms", "graph_ms"); the tables use "ms".
+
+Checks: before timing each configuration the same call is compared with
+kvserve.kernels.reference (fp32) on a slice (decode: sequences 0 and B-1 of that very batch;
+prefill: everything; store: a small cache, byte-exact outside the written rows). Any rel. error
+> 2e-2, unwritten output or error makes the exit status 1 (the JSON is still written, after every
+configuration). Flex failing to compile or run (say an fp8 page dtype an older torch rejects) only
+switches that flex dtype off (JSON "flex_errors"); a wrong flex result is a failed check.
+
+Order: copy, pools (ours: bf16 + fp8, ~52 GB at the default grid), store, prefill, flex pools (same
+size) + flex reference check, then each decode point from the smallest KV to the largest (ours bf16,
+ours fp8, flex bf16, flex fp8), copy again. Flex compiles once per (batch size, mask structure,
+dtype): about 12 compiles. Flex's Triton template forms ``offs_n * stride_kn`` in 32 bits (vLLM
+#50427), so its pool is kept under 2^31 / D tokens (plus under 2^31 elements in all when the
+installed template lacks INDEX_DTYPE head offsets); points beyond are skipped for flex, and say so.
+"%cp" is against a copy (read + write); a read-only stream may reach slightly more than 100%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(_HERE))  # the repository root: kvserve
+sys.path.insert(0, _HERE)  # flex_paged
+
+import torch  # noqa: E402  (torch does not import triton; TRITON_INTERPRET is set below first)
+
+TOL = 2e-2
+GB = 1e9
+
+
+# --------------------------------------------------------------------------- CPU interpreter patches
+def patch_triton_interpreter() -> str:
+    """Fix the Triton interpreter's two known bugs before any kernel runs on CPU: float down-casts
+    (not RTNE, no e4m3fn saturation: ../shared/docs/reference/cpu-environment.md section 3) and
+    ``tl.dot`` on bf16 operands (multiplies the raw uint16 bits). Uses tests/triton_support.py (what
+    the test suite applies) when importable, else the copies below."""
+    try:
+        sys.path.insert(0, os.path.join(os.path.dirname(_HERE), "tests"))
+        from triton_support import patch_interpreter
+
+        if patch_interpreter():
+            return "tests/triton_support.patch_interpreter"
+    except Exception:  # noqa: BLE001
+        pass
+    finally:
+        sys.path.pop(0)
+    import numpy as np
+    import triton.language as tl
+    import triton.runtime.interpreter as TI
+
+    if getattr(TI, "_kvserve_bench_patched", False):
+        return "kernel_bench copies"
+    _orig = TI._convert_float
+    _T = {tl.float8e4nv: torch.float8_e4m3fn, tl.float8e5: torch.float8_e5m2, tl.bfloat16: torch.bfloat16,
+          tl.float16: torch.float16, tl.float32: torch.float32}
+
+    def _patched(inp, in_dt, out_dt, rounding_mode):
+        if in_dt in _T and out_dt in _T and out_dt.primitive_bitwidth < in_dt.primitive_bitwidth:
+            ibits = {8: np.uint8, 16: np.int16, 32: np.int32}[in_dt.primitive_bitwidth]
+            src = torch.from_numpy(np.ascontiguousarray(inp).view(ibits).copy()).view(_T[in_dt])
+            out = src.to(_T[out_dt])
+            o = {8: (torch.uint8, np.uint8), 16: (torch.int16, np.uint16)}[out_dt.primitive_bitwidth]
+            return out.view(o[0]).numpy().view(o[1]).reshape(inp.shape)
+        return _orig(inp, in_dt, out_dt, rounding_mode)
+
+    TI._convert_float = _patched
+    builder = TI.InterpreterBuilder
+    _dot = builder.create_dot
+
+    def _widen(h):
+        if h.dtype.scalar != tl.bfloat16:
+            return h
+        bits = np.ascontiguousarray(h.data).view(np.uint16).astype(np.uint32) << 16
+        return TI.TensorHandle(bits.view(np.float32), tl.float32)
+
+    def _create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return _dot(self, _widen(a), _widen(b), d, input_precision, max_num_imprecise_acc)
+
+    builder.create_dot = _create_dot
+    TI._kvserve_bench_patched = True
+    return "kernel_bench copies"
+
+
+# --------------------------------------------------------------------------- kernels under test
+class Impl:
+    """store_kv / paged_attention: the Triton kernels, or the reference standing in (--impl)."""
+
+    def __init__(self, want: str, cuda: bool, smoke: bool) -> None:
+        from kvserve.kernels import reference
+
+        self.reference = reference
+        self.names: dict[str, str] = {}
+        self.store_kv = self._pick("store", want, self._triton_store, lambda: reference.store_kv)
+        self.paged_attention = self._pick("attention", want, self._triton_attention, lambda: self._ref_attention)
+        if cuda and not smoke and "reference" in self.names.values():
+            raise SystemExit(f"kernels {self.names}: the reference stand-in is for --smoke only")
+
+    def _pick(self, what, want, triton_loader, ref_loader):
+        if want in ("triton", "auto"):
+            try:
+                fn = triton_loader()
+                self.names[what] = "triton"
+                return fn
+            except (ImportError, AttributeError) as e:
+                if want == "triton":
+                    raise SystemExit(f"--impl triton: {what} kernel unavailable: {e!r}")
+                print(f"[impl] {what}: Triton kernel unavailable ({e!r}); reference stands in")
+        self.names[what] = "reference"
+        return ref_loader()
+
+    @staticmethod
+    def _triton_store():
+        from kvserve.kernels import triton_store
+
+        return triton_store.store_kv
+
+    @staticmethod
+    def _triton_attention():
+        from kvserve.kernels import triton_attention
+
+        return triton_attention.paged_attention
+
+    def _ref_attention(self, query, kv_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len,
+                       max_seq_len, quant=None, out=None, num_splits=None):
+        qsl = query_start_loc.tolist()
+        o = self.reference.paged_attention(query, kv_cache, block_tables, [b - a for a, b in zip(qsl, qsl[1:])],
+                                           seq_lens.tolist(), scale, quant=quant)
+        if out is None:
+            return o
+        out.copy_(o)
+        return out
+
+
+# --------------------------------------------------------------------------- timing
+class Timer:
+    def __init__(self, cuda: bool, warmup_ms: float, rep_ms: float, graph: bool, smoke_reps: int = 2) -> None:
+        self.cuda, self.warmup_ms, self.rep_ms = cuda, warmup_ms, rep_ms
+        self.graph = graph and cuda
+        self.smoke_reps = smoke_reps
+        self.graph_off: dict[str, str] = {}  # group -> why graph timing was switched off
+        self.flush = torch.empty(128 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda") if self.graph else None
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def time(self, fn, group: str = "") -> dict:
+        if not self.cuda:
+            fn()
+            ts = []
+            for _ in range(self.smoke_reps):
+                t = time.perf_counter()
+                fn()
+                ts.append((time.perf_counter() - t) * 1e3)
+            return {"ms": statistics.median(ts), "method": "perf_counter median (CPU smoke)"}
+        import triton.testing
+
+        try:
+            ms = triton.testing.do_bench(fn, warmup=self.warmup_ms, rep=self.rep_ms, return_mode="median")
+        except TypeError:  # an older do_bench without return_mode
+            ms = triton.testing.do_bench(fn, warmup=self.warmup_ms, rep=self.rep_ms, quantiles=[0.5])
+            ms = ms[0] if isinstance(ms, (list, tuple)) else ms
+        res = {"ms": ms, "method": "do_bench median, L2 flushed per call"}
+        if self.graph and group not in self.graph_off:
+            res["graph_ms"] = self._graph_ms(fn, ms, group)
+        return res
+
+    def _capture(self, body) -> "torch.cuda.CUDAGraph":
+        """capture_begin/end on a side stream: torch.cuda.graph() would also run gc.collect() and
+        empty_cache() per capture (~0.2 s each with torch.compile's heap)."""
+        g = torch.cuda.CUDAGraph()
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            g.capture_begin()
+            try:
+                body()
+            finally:
+                g.capture_end()
+        torch.cuda.current_stream().wait_stream(self.stream)
+        return g
+
+    def _replay_ms(self, g) -> float:
+        g.replay()
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(5):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            g.replay()
+            b.record()
+            b.synchronize()
+            ts.append(a.elapsed_time(b))
+        return statistics.median(ts)
+
+    def _graph_ms(self, fn, est_ms: float, group: str):
+        n = 1 << int(round(math.log2(min(64, max(4, 8.0 / max(est_ms, 1e-3))))))  # graph ~8 ms or 4 calls
+        g = None
+        try:
+            if not hasattr(self, "stream"):
+                self.stream = torch.cuda.Stream()
+                self.flush_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+            self.stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.stream):  # warm on the capture stream (allocator pools, guards)
+                for _ in range(2):
+                    self.flush.zero_()
+                    fn()
+            torch.cuda.current_stream().wait_stream(self.stream)
+            torch.cuda.synchronize()
+
+            def body():
+                for _ in range(n):
+                    self.flush.zero_()
+                    fn()
+
+            g = self._capture(body)
+            if n not in self.flush_graphs:  # flush-only graph of the same length, captured once per n
+                self.flush_graphs[n] = self._capture(lambda: [self.flush.zero_() for _ in range(n)])
+            t_with = self._replay_ms(g)
+            t_flush = self._replay_ms(self.flush_graphs[n])
+            return max(t_with - t_flush, 0.0) / n
+        except Exception as e:  # capture refused (host sync, ...): keep do_bench numbers only
+            torch.cuda.synchronize()
+            self.graph_off[group] = f"{type(e).__name__}: {str(e)[:300]}"
+            print(f"[graph] {group}: CUDA-graph timing off: {self.graph_off[group]}")
+            return None
+        finally:
+            del g
+
+
+# --------------------------------------------------------------------------- helpers
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    if not bool(torch.isfinite(out).all()):
+        return float("inf")
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def gpu_state():
+    """Read-only nvidia-smi query (clocks, temperature, power) for the record; None if unavailable."""
+    import subprocess
+
+    q = "name,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw,power.limit,utilization.gpu"
+    try:
+        r = subprocess.run(["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader"], capture_output=True,
+                           text=True, timeout=10)
+        return r.stdout.strip() or r.stderr.strip()
+    except Exception as e:  # noqa: BLE001
+        return f"unavailable: {e!r}"
+
+
+def flex_template_has_index_dtype() -> bool:
+    """Whether the installed inductor's flex decode template computes its base offsets in INDEX_DTYPE
+    (int64 when a buffer has 2^31 or more elements)."""
+    import torch._inductor as ind
+
+    root = os.path.join(os.path.dirname(ind.__file__), "kernel")
+    for rel in ("flex/templates/flex_decode.py.jinja", "flex/flex_decoding.py", "flex_decoding.py"):
+        path = os.path.join(root, rel)
+        if os.path.exists(path):
+            with open(path) as f:
+                if "program_id(1).to(INDEX_DTYPE)" in f.read():
+                    return True
+    return False
+
+
+def fmt(x, spec=".3g", none="-"):
+    return none if x is None else format(x, spec)
+
+
+class Run:
+    def __init__(self, args) -> None:
+        self.args = args
+        self.cuda = torch.cuda.is_available() and not args.cpu
+        self.dev = torch.device("cuda" if self.cuda else "cpu")
+        self.t0 = time.time()
+        self.res: dict = {"checks": [], "errors": [], "skipped": [], "store": [], "decode": [], "flex": [], "prefill": []}
+        self.failed = False
+        self.flex_off: dict[str, str] = {}  # flex cache dtype -> why it was switched off
+
+    # ---- bookkeeping
+    def save(self) -> None:
+        os.makedirs(os.path.dirname(os.path.abspath(self.args.out)), exist_ok=True)
+        with open(self.args.out, "w") as f:
+            json.dump(self.res, f, indent=1, default=str)
+
+    def check(self, name: str, err: float, **extra) -> bool:
+        ok = err <= TOL and all(v == 0 for k, v in extra.items() if k in ("nonfinite", "changed_outside"))
+        self.res["checks"].append({"name": name, "rel_err": err, "ok": ok, **extra})
+        if not ok:
+            self.failed = True
+            print(f"[CHECK FAILED] {name}: rel_err={err:.3e} {extra}")
+        return ok
+
+    def error(self, where: str, e: BaseException) -> None:
+        self.failed = True
+        tb = traceback.format_exc()
+        self.res["errors"].append({"where": where, "error": f"{type(e).__name__}: {e}", "traceback": tb[-4000:]})
+        print(f"[ERROR] {where}: {type(e).__name__}: {str(e)[:500]}")
+
+    def flex_error(self, where: str, name: str, e: BaseException) -> None:
+        """The peer failing to compile/run (e.g. an older torch without fp8 K/V in flex) is recorded
+        and switches that cache dtype off for flex; it does not fail the run (wrong results do)."""
+        self.flex_off[name] = f"{type(e).__name__}: {str(e)[:300]}"
+        self.res.setdefault("flex_errors", []).append(
+            {"where": where, "error": f"{type(e).__name__}: {e}"[:2000], "traceback": traceback.format_exc()[-4000:]})
+        print(f"[flex] {where}: {type(e).__name__}: {str(e)[:300]} -> flex {name} off for the rest of the run")
+        if self.cuda:
+            torch.cuda.synchronize()  # a device-side fault would surface here (and end the run)
+
+    def over_budget(self, what: str) -> bool:
+        if time.time() - self.t0 > self.args.time_budget_s:
+            self.res["skipped"].append(what)
+            print(f"[budget] {self.args.time_budget_s}s spent: skipping {what}")
+            return True
+        return False
+
+    def gbps(self, nbytes: float, ms: float) -> float:
+        return nbytes / (ms * 1e-3) / GB
+
+    def pct(self, gbps: float):
+        c = self.res.get("copy_bw_GBps")
+        return 100.0 * gbps / c if c else None
+
+    def randn(self, *shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, dtype=dtype, device=self.dev)
+
+    def quant(self):
+        r = self.impl.reference
+        return r.CacheQuant(torch.float8_e4m3fn, 448.0, self.args.k_scale, self.args.v_scale, self.dev)
+
+    # ---- setup
+    def setup(self) -> None:
+        a = self.args
+        import triton
+
+        self.impl = Impl(a.impl, self.cuda, a.smoke)
+        self.timer = Timer(self.cuda, a.warmup_ms, a.rep_ms, a.graph)
+        props = torch.cuda.get_device_properties(0) if self.cuda else None
+        self.num_sms = props.multi_processor_count if props else 0
+        self.res.update({
+            "gpu": props.name if props else f"cpu ({platform.processor() or platform.machine()})",
+            "num_sms": self.num_sms,
+            "gpu_mem_GB": props.total_memory / GB if props else None,
+            "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+            "python": platform.python_version(), "date": _dt.datetime.now().isoformat(timespec="seconds"),
+            "smoke": a.smoke, "triton_interpret": os.environ.get("TRITON_INTERPRET"),
+            "impl": self.impl.names, "args": vars(a),
+            "shape": {"q_heads": a.q_heads, "kv_heads": a.kv_heads, "head_dim": a.head_dim, "block_size": a.block_size},
+            "timing": "do_bench median with a 256 MB L2 flush before each call (GPU); graph_ms: CUDA graph of "
+                      "[128 MB flush, call] x n minus [flush] x n, per call; perf_counter on CPU",
+            "copy_bw_GBps": None,
+        })
+        self.res["gpu_state_start"] = gpu_state() if self.cuda else None
+        print(f"[setup] {self.res['gpu']} torch {torch.__version__} triton {triton.__version__} impl {self.impl.names}")
+
+    # ---- a. copy
+    def bench_copy(self, key: str = "copy") -> None:
+        n = self.args.copy_elems
+        src = self.randn(n)
+        dst = torch.empty_like(src)
+        t = self.timer.time(lambda: dst.copy_(src), "copy")
+        assert torch.equal(dst, src)
+        bw = self.gbps(2 * n * 2, t["ms"])
+        if key == "copy":
+            self.res["copy_bw_GBps"] = bw
+        self.res[key] = {"bytes_each_way": n * 2, **t, "GBps": bw}
+        print(f"[{key}] {n * 2 / 2**30:.2f} GiB: {t['ms']:.3f} ms -> {bw:.0f} GB/s (read+write)")
+        del src, dst
+
+    # ---- pools
+    def decode_points(self) -> list[tuple[int, int]]:
+        a = self.args
+        pts = []
+        per_block = 2 * a.block_size * a.kv_heads * a.head_dim  # elements (bf16 or fp8 bytes) per block
+        for b in a.batches:
+            for c in a.contexts:
+                kv = b * c * a.kv_heads * a.head_dim * 2 * 2
+                if kv > a.max_kv_gb * GB:
+                    self.res["skipped"].append(f"decode B={b} ctx={c}: bf16 KV {kv / GB:.1f} GB > {a.max_kv_gb} GB")
+                    continue
+                if a.int32_pools and b * math.ceil(c / a.block_size) * per_block >= 2**31:
+                    self.res["skipped"].append(f"decode B={b} ctx={c}: needs a pool of >= 2^31 elements (--int32-pools)")
+                    continue
+                pts.append((b, c))
+        return sorted(pts, key=lambda p: (p[0] * p[1], p[0]))
+
+    def alloc_pools(self, points) -> None:
+        a = self.args
+        bs = a.block_size
+        need = max([b * math.ceil(c / bs) for b, c in points] + [math.ceil(max(a.store_tokens) * 2 / bs),
+                                                               math.ceil(max(a.prefill_tokens) / bs) + 1])
+        self.pool_blocks = need
+        shape = (need, 2, bs, a.kv_heads, a.head_dim)
+        self.pool = {"bf16": torch.empty(shape, dtype=torch.bfloat16, device=self.dev),
+                     "fp8": torch.empty(shape, dtype=torch.uint8, device=self.dev)}
+        step = max(1, (1 << 28) // (2 * bs * a.kv_heads * a.head_dim))  # blocks per ~256M elements
+        for s in range(0, need, step):
+            self.pool["bf16"][s : s + step].normal_()
+            x = torch.randn(self.pool["fp8"][s : s + step].shape, dtype=torch.float32, device=self.dev)
+            x[:, 0] /= a.k_scale
+            x[:, 1] /= a.v_scale
+            self.pool["fp8"][s : s + step] = x.clamp_(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
+            del x
+        gb = sum(t.numel() * t.element_size() for t in self.pool.values()) / GB
+        self.res["pool"] = {"blocks": need, "GB": gb}
+        print(f"[pool] {need} blocks of {bs} tokens: bf16 + fp8 pools {gb:.1f} GB")
+
+    def caches(self):
+        return (("bf16", self.pool["bf16"], None), ("fp8", self.pool["fp8"], self.quant()))
+
+    # ---- b. store
+    def bench_store(self) -> None:
+        a = self.args
+        hk, d, bs = a.kv_heads, a.head_dim, a.block_size
+        ref = self.impl.reference
+        for T in a.store_tokens:
+            if self.over_budget(f"store T={T}"):
+                return
+            key, value = self.randn(T, hk, d), self.randn(T, hk, d)
+            slots = torch.randperm(self.pool_blocks * bs, device=self.dev)[:T]
+            for name, pool, quant in self.caches():
+                tag = f"store {name} T={T}"
+                try:
+                    self._check_store(tag, key, value, name, quant)
+                    t = self.timer.time(lambda: self.impl.store_kv(key, value, pool, slots, quant), "store")
+                    elem = 2 if name == "bf16" else 1
+                    nbytes = 2 * T * hk * d * 2 + 2 * T * hk * d * elem + T * 8
+                    bw = self.gbps(nbytes, t["ms"])
+                    row = {"tokens": T, "cache_dtype": name, "bytes": nbytes, **t, "GBps": bw, "pct_copy": self.pct(bw)}
+                    self.res["store"].append(row)
+                    print(f"[store] T={T:6d} {name:4s} {t['ms'] * 1e3:9.2f} us {bw:7.0f} GB/s {fmt(row['pct_copy'], '.0f')}%cp")
+                except Exception as e:
+                    self.error(tag, e)
+                self.save()
+            del key, value, slots
+
+    def _check_store(self, tag, key, value, name, quant) -> None:
+        a = self.args
+        T, bs, hk, d = key.shape[0], a.block_size, a.kv_heads, a.head_dim
+        nb = math.ceil(T * 1.25 / bs) + 2
+        shape = (nb, 2, bs, hk, d)
+        if name == "bf16":
+            cache = self.randn(*shape)
+        else:
+            cache = torch.randint(0, 256, shape, dtype=torch.uint8, device=self.dev)
+        slots = torch.randperm(nb * bs, device=self.dev)[:T]
+        if T >= 4:
+            slots[1] = -1
+            slots[T // 2] = -1
+        expect = cache.clone()
+        self.impl.reference.store_kv(key, value, expect, slots, quant)
+        self.impl.store_kv(key, value, cache, slots, quant)
+        self.timer.sync()
+        rows = cache.view(nb * 2 * bs, -1)
+        erows = expect.view(nb * 2 * bs, -1)
+        valid = slots[slots >= 0]
+        krow = (valid // bs) * (2 * bs) + valid % bs
+        written = torch.zeros(nb * 2 * bs, dtype=torch.bool, device=self.dev)
+        written[krow] = True
+        written[krow + bs] = True
+        diff = (rows.view(torch.uint8) != erows.view(torch.uint8)).any(dim=1)
+        changed_outside = int((diff & ~written).sum())
+        mismatch = float(diff[written].float().mean())
+
+        def deq(r, scale):
+            return r.float() if quant is None else r.view(torch.float8_e4m3fn).float() * scale
+
+        ks, vs = (1.0, 1.0) if quant is None else (quant.k_scale, quant.v_scale)
+        got = torch.cat([deq(rows[krow], ks), deq(rows[krow + bs], vs)])
+        want = torch.cat([deq(erows[krow], ks), deq(erows[krow + bs], vs)])
+        self.check(tag, rel_err(got, want), changed_outside=changed_outside, row_mismatch_frac=mismatch)
+
+    # ---- e. prefill
+    def bench_prefill(self) -> None:
+        a = self.args
+        hq, hk, d, bs = a.q_heads, a.kv_heads, a.head_dim, a.block_size
+        scale = d ** -0.5
+        ref = self.impl.reference
+        F = torch.nn.functional
+        pool = self.pool["bf16"]
+        for T in a.prefill_tokens:
+            if self.over_budget(f"prefill T={T}"):
+                return
+            tag = f"prefill T={T}"
+            try:
+                nblk = math.ceil(T / bs)
+                bt = torch.randperm(self.pool_blocks, device=self.dev)[:nblk].to(torch.int32).view(1, nblk)
+                k, v, q = self.randn(T, hk, d), self.randn(T, hk, d), self.randn(T, hq, d)
+                pos = torch.arange(T, device=self.dev)
+                ref.store_kv(k, v, pool, bt[0, pos // bs].long() * bs + pos % bs)
+                qsl = torch.tensor([0, T], dtype=torch.int32, device=self.dev)
+                sl = torch.tensor([T], dtype=torch.int32, device=self.dev)
+                out = torch.full_like(q, float("nan"))
+
+                def ours():
+                    return self.impl.paged_attention(q, pool, bt, qsl, sl, scale, T, T, out=out)
+
+                got = ours()
+                got = out if got is None else got
+                expect = ref.paged_attention(q, pool, bt, [T], [T], scale)
+                self.check(f"{tag} ours", rel_err(got, expect), nonfinite=int((~torch.isfinite(got)).sum()))
+                qs, ks, vs = (x.transpose(0, 1).unsqueeze(0).contiguous() for x in (q, k, v))
+                kx, vx = ks.repeat_interleave(hq // hk, dim=1), vs.repeat_interleave(hq // hk, dim=1)
+
+                def sdpa_gqa():
+                    return F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
+
+                def sdpa_rep():
+                    return F.scaled_dot_product_attention(qs, kx, vx, is_causal=True, scale=scale)
+
+                for nm, fn in (("sdpa_gqa", sdpa_gqa), ("sdpa_repeat_kv", sdpa_rep)):
+                    o = fn()[0].transpose(0, 1)
+                    self.check(f"{tag} {nm}", rel_err(o, expect))
+                flops = 2 * 2 * T * T / 2 * hq * d
+                rows = {}
+                for nm, fn in (("ours", ours), ("sdpa_gqa", sdpa_gqa), ("sdpa_repeat_kv", sdpa_rep)):
+                    t = self.timer.time(fn, "prefill_" + nm)
+                    rows[nm] = {"tokens": T, "impl": nm, **t, "tflops": flops / (t["ms"] * 1e-3) / 1e12}
+                best = min(rows["sdpa_gqa"]["ms"], rows["sdpa_repeat_kv"]["ms"])
+                rows["ours"]["speed_vs_best_sdpa"] = best / rows["ours"]["ms"]
+                self.res["prefill"].extend(rows.values())
+                print(f"[prefill] T={T:5d} ours {rows['ours']['tflops']:6.1f} TF/s  sdpa_gqa {rows['sdpa_gqa']['tflops']:6.1f}"
+                      f"  sdpa_rep {rows['sdpa_repeat_kv']['tflops']:6.1f}  ours/best {rows['ours']['speed_vs_best_sdpa']:.2f}x")
+                del k, v, q, out, qs, ks, vs, kx, vx
+            except Exception as e:
+                self.error(tag, e)
+            self.save()
+
+    # ---- c + d. decode (ours) and flex
+    def setup_flex(self, points) -> None:
+        import flex_paged
+
+        a = self.args
+        ps = a.flex_page_size
+        # Flex's Triton template forms offs_n * stride_kn in int32 (vLLM #50427, pytorch #185264): with
+        # the [1, Hk, N, D] layout that is N * D < 2^31. Head offsets are int64 only where the template
+        # uses INDEX_DTYPE; otherwise the whole K tensor must stay under 2^31 elements.
+        int64_heads = flex_template_has_index_dtype()
+        max_tokens = (2**31 - 1) // a.head_dim
+        if not int64_heads:
+            max_tokens = min(max_tokens, (2**31 - 1) // (a.kv_heads * a.head_dim))
+        max_pages = max_tokens // ps
+        self.flex_points = set()
+        for b, c in points:
+            if b * math.ceil(c / ps) <= max_pages:
+                self.flex_points.add((b, c))
+            else:
+                self.res["skipped"].append(f"flex B={b} ctx={c}: pool of > {max_pages} pages would overflow flex's "
+                                           f"32-bit offsets (INDEX_DTYPE in template: {int64_heads})")
+        need = [b * math.ceil(c / ps) for b, c in self.flex_points] + [sum(math.ceil(n / ps) for n in a.flex_check_lens)]
+        n_pages = min(max(need), max_pages)
+        dtypes = ("bf16", "fp8") if a.flex_fp8 else ("bf16",)
+        self.flex_mod = flex_paged
+        self.flex = flex_paged.FlexPagedDecode(n_pages, ps, a.kv_heads, a.head_dim, self.dev, dtypes=dtypes)
+        self.flex.fill_random_(a.k_scale, a.v_scale)
+        gb = sum(t.numel() * t.element_size() for t in list(self.flex.k.values()) + list(self.flex.v.values())) / GB
+        self.res["flex_setup"] = {"page_size": ps, "n_pages": n_pages, "pool_GB": gb, "dtypes": list(dtypes),
+                                  "template_int64_head_offsets": int64_heads,
+                                  "layout": "[1, Hk, n_pages*page_size, D] per K and V",
+                                  "compile": "torch.compile(flex_attention, dynamic=False)",
+                                  "variants": a.flex_variants}
+        print(f"[flex] pool {n_pages} pages x {ps} tokens, {gb:.1f} GB, dtypes {dtypes}")
+        self._flex_reference_check()
+
+    def flex_variants(self, b: int) -> list[str]:
+        v = self.args.flex_variants
+        if v == "both":
+            return list(self.flex_mod.VARIANTS)
+        if v == "auto":
+            if not self.cuda:  # smoke: exercise both structures
+                return list(self.flex_mod.VARIANTS)
+            return [self.flex_mod.variant_for_batch(b, self.args.kv_heads, self.num_sms)]
+        return [v]
+
+    def _flex_reference_check(self) -> None:
+        """Small ragged batch: flex (every variant used by the bench for that batch size) vs
+        kvserve.kernels.reference.paged_attention on the same K/V, copied into flex pages."""
+        a = self.args
+        ref = self.impl.reference
+        hq, hk, d, bs = a.q_heads, a.kv_heads, a.head_dim, a.block_size
+        lens = list(a.flex_check_lens)
+        b = len(lens)
+        scale = d ** -0.5
+        q = self.randn(b, hq, d)
+        mb = max(math.ceil(n / bs) for n in lens)
+        nb = sum(math.ceil(n / bs) for n in lens) + 3
+        for name in self.flex.k:
+            quant = self.quant() if name == "fp8" else None
+            cache = (self.randn(nb, 2, bs, hk, d) if name == "bf16"
+                     else torch.randint(0, 256, (nb, 2, bs, hk, d), dtype=torch.uint8, device=self.dev))
+            perm = torch.randperm(nb, device=self.dev).to(torch.int32)
+            bt = torch.zeros(b, mb, dtype=torch.int32, device=self.dev)
+            used = 0
+            for i, n in enumerate(lens):
+                m = math.ceil(n / bs)
+                bt[i, :m] = perm[used : used + m]
+                used += m
+                pos = torch.arange(n, device=self.dev)
+                ref.store_kv(self.randn(n, hk, d), self.randn(n, hk, d), cache, bt[i, pos // bs].long() * bs + pos % bs, quant)
+            expect = ref.paged_attention(q, cache, bt, [1] * b, lens, scale, quant=quant)
+            rows = cache.view(-1, hk, d)
+            for variant in self.flex_variants(b):
+                if name in self.flex_off:
+                    continue
+                tag = f"flex {name} {variant} reference check B={b} lens={lens}"
+                try:
+                    fb = self.flex.plan(lens, variant, seed=123)
+                    for i, n in enumerate(lens):
+                        pos = torch.arange(n, device=self.dev)
+                        r = bt[i, pos // bs].long() * (2 * bs) + pos % bs
+                        self.flex.write_logical(fb, i, name, rows[r], rows[r + bs])
+                    got = self.flex.run(q, fb, name, scale, a.k_scale, a.v_scale)
+                    err = rel_err(got, expect)
+                    self.check(tag, err, path=self.flex.path(name, variant))
+                    print(f"[flex check] {name} {variant} ({self.flex.path(name, variant)}): rel err {err:.2e} vs reference")
+                except Exception as e:
+                    self.flex_error(tag, name, e)
+        self.save()
+
+    def bench_decode(self, points) -> None:
+        a = self.args
+        hq, hk, d, bs = a.q_heads, a.kv_heads, a.head_dim, a.block_size
+        scale = d ** -0.5
+        for b, ctx in points:
+            if self.over_budget(f"decode B={b} ctx={ctx}"):
+                break
+            nblk = math.ceil(ctx / bs)
+            bt = torch.randperm(self.pool_blocks, device=self.dev)[: b * nblk].to(torch.int32).view(b, nblk)
+            qsl = torch.arange(b + 1, dtype=torch.int32, device=self.dev)
+            sl = torch.full((b,), ctx, dtype=torch.int32, device=self.dev)
+            q = self.randn(b, hq, d)
+            out = torch.empty_like(q)
+            rows = sorted({0, b - 1})
+            line = [f"B={b:4d} ctx={ctx:6d}"]
+            ms_of = {}
+            for name, pool, quant in (self.caches() if a.ours_decode else ()):
+                tag = f"decode ours {name} B={b} ctx={ctx}"
+                try:
+                    out.fill_(float("nan"))
+                    got = self.impl.paged_attention(q, pool, bt, qsl, sl, scale, 1, ctx, quant=quant, out=out)
+                    got = out if got is None else got
+                    expect = self.impl.reference.paged_attention(q[rows], pool, bt[rows], [1] * len(rows), [ctx] * len(rows),
+                                                                 scale, quant=quant)
+                    err = rel_err(got[rows], expect)
+                    self.check(tag, err, nonfinite=int((~torch.isfinite(got)).sum()))
+                    if a.smoke:  # off CUDA the auto choice never splits: exercise the split-KV path too
+                        out.fill_(float("nan"))
+                        self.impl.paged_attention(q, pool, bt, qsl, sl, scale, 1, ctx, quant=quant, out=out, num_splits=2)
+                        self.check(tag + " num_splits=2", rel_err(out[rows], expect),
+                                   nonfinite=int((~torch.isfinite(out)).sum()))
+                    del expect, got
+                    t = self.timer.time(lambda: self.impl.paged_attention(q, pool, bt, qsl, sl, scale, 1, ctx, quant=quant,
+                                                                          out=out), "decode_ours")
+                    elem = 2 if name == "bf16" else 1
+                    kv = b * ctx * hk * d * 2 * elem
+                    nbytes = kv + 2 * b * hq * d * 2 + b * nblk * 4 + b * 4 + (b + 1) * 4
+                    bw = self.gbps(nbytes, t["ms"])
+                    row = {"batch": b, "context": ctx, "cache_dtype": name, "kv_bytes": kv, "bytes": nbytes, **t,
+                           "GBps": bw, "pct_copy": self.pct(bw), "tokens_per_s": b / (t["ms"] * 1e-3), "rel_err": err}
+                    ms_of[name] = t["ms"]
+                    if name == "fp8" and "bf16" in ms_of:
+                        row["fp8_speedup"] = ms_of["bf16"] / t["ms"]
+                    self.res["decode"].append(row)
+                    line.append(f"{name} {t['ms'] * 1e3:8.1f}us {bw:5.0f}GB/s {fmt(row['pct_copy'], '.0f')}%")
+                except Exception as e:
+                    self.error(tag, e)
+            if "fp8" in ms_of and "bf16" in ms_of:
+                line.append(f"fp8x {ms_of['bf16'] / ms_of['fp8']:.2f}")
+            if a.flex and (b, ctx) in self.flex_points:
+                line += self._flex_point(b, ctx, q, scale, rows)
+            print("[decode] " + " | ".join(line))
+            del bt, qsl, sl, q, out
+            self.save()
+
+    def _flex_point(self, b, ctx, q, scale, rows) -> list[str]:
+        a = self.args
+        hq, hk, d = a.q_heads, a.kv_heads, a.head_dim
+        ps = a.flex_page_size
+        line = []
+        plans = {}  # one page table + mask per variant, shared by bf16 and fp8
+        for name in self.flex.k:
+            best = None
+            for variant in self.flex_variants(b):
+                if name in self.flex_off:
+                    continue
+                tag = f"decode flex {name} {variant} B={b} ctx={ctx}"
+                try:
+                    if variant not in plans:
+                        plans[variant] = self.flex.plan([ctx] * b, variant, seed=b * 100003 + ctx)
+                    fb = plans[variant]
+                    got = self.flex.run(q, fb, name, scale, a.k_scale, a.v_scale)
+                    errs = []
+                    for i in rows:
+                        k, v = self.flex.gather_logical(fb, i, name, a.k_scale, a.v_scale)
+                        o = torch.nn.functional.scaled_dot_product_attention(
+                            q[i].float().view(1, hq, 1, d), k.unsqueeze(0), v.unsqueeze(0), scale=scale, enable_gqa=True)
+                        errs.append(rel_err(got[i], o.view(hq, d)))
+                    self.check(tag + " (rows vs fp32 SDPA over its pages)", max(errs),
+                               nonfinite=int((~torch.isfinite(got)).sum()))
+                    del got
+                    t = self.timer.time(lambda: self.flex.run(q, fb, name, scale, a.k_scale, a.v_scale), "flex")
+                    elem = 2 if name == "bf16" else 1
+                    kv = b * ctx * hk * d * 2 * elem
+                    nbytes = kv + 2 * b * hq * d * 2 + fb.num_pages_used * 4 + b * 4 * 2
+                    bw = self.gbps(nbytes, t["ms"])
+                    row = {"batch": b, "context": ctx, "cache_dtype": name, "variant": variant,
+                           "path": self.flex.path(name, variant), "page_size": ps, "kv_bytes": kv, "bytes": nbytes, **t,
+                           "GBps": bw, "pct_copy": self.pct(bw), "tokens_per_s": b / (t["ms"] * 1e-3)}
+                    self.res["flex"].append(row)
+                    if best is None or t["ms"] < best["ms"]:
+                        best = row
+                except Exception as e:
+                    self.flex_error(tag, name, e)
+            if best is not None:
+                best["best_of_variants"] = True
+                line.append(f"flex-{name}({best['variant'][0]}) {best['ms'] * 1e3:8.1f}us {fmt(best['pct_copy'], '.0f')}%")
+        return line
+
+    # ---- smoke: int64 offsets with pools of more than 2^31 elements (CPU interpreter)
+    def bigpool_check(self) -> None:
+        print("[bigpool] store + decode at the far end of pools of more than 2^31 elements; a crash "
+              "(segfault) here means 32-bit offset arithmetic in a kernel", flush=True)
+        a = self.args
+        ref = self.impl.reference
+        hq, hk, d, bs = 32, 8, 128, 16
+        per_block = 2 * bs * hk * d
+        nb = (1 << 31) // per_block + 8
+        ctx, b = 40, 2
+        nblk = math.ceil(ctx / bs)
+        bt = torch.tensor([[nb - 1 - 2 * j - i for j in range(nblk)] for i in range(b)], dtype=torch.int32)
+        q = torch.randn(b, hq, d, dtype=torch.bfloat16)
+        for name in ("fp8", "bf16"):
+            quant = self.quant() if name == "fp8" else None
+            tag = f"bigpool {name}: {nb} blocks = {nb * per_block / 2**31:.3f} x 2^31 elements"
+            try:
+                cache = torch.empty(nb, 2, bs, hk, d, dtype=torch.bfloat16 if name == "bf16" else torch.uint8)
+                cache[nb - 2 * nblk - 2 :] = 0 if name == "fp8" else 0.0  # blocks used below start defined
+                pos = torch.arange(ctx)
+                slots = torch.cat([bt[i, pos // bs].long() * bs + pos % bs for i in range(b)])
+                k, v = torch.randn(b * ctx, hk, d, dtype=torch.bfloat16), torch.randn(b * ctx, hk, d, dtype=torch.bfloat16)
+                self.impl.store_kv(k, v, cache, slots, quant)
+                rows = cache.view(nb * 2 * bs, hk, d)
+                krow = (slots // bs) * (2 * bs) + slots % bs
+                if quant is None:
+                    want_k, want_v = k, v
+                else:
+                    want_k = ref.quantize_fp8(k, quant.k_scale_t, quant.fp8_dtype, quant.fp8_max)
+                    want_v = ref.quantize_fp8(v, quant.v_scale_t, quant.fp8_dtype, quant.fp8_max)
+                bad = int((rows[krow].view(torch.uint8) != want_k.view(torch.uint8)).sum()
+                          + (rows[krow + bs].view(torch.uint8) != want_v.view(torch.uint8)).sum())
+                self.check(tag + " store", 0.0 if bad == 0 else float("inf"), bytes_wrong=bad)
+                out = torch.full_like(q, float("nan"))
+                qsl = torch.arange(b + 1, dtype=torch.int32)
+                sl = torch.full((b,), ctx, dtype=torch.int32)
+                got = self.impl.paged_attention(q, cache, bt, qsl, sl, d ** -0.5, 1, ctx, quant=quant, out=out)
+                got = out if got is None else got
+                expect = ref.paged_attention(q, cache, bt, [1] * b, [ctx] * b, d ** -0.5, quant=quant)
+                err = rel_err(got, expect)
+                self.check(tag + " decode", err, nonfinite=int((~torch.isfinite(got)).sum()))
+                print(f"[bigpool] {name}: store bytes wrong {bad}, decode rel err {err:.2e}")
+                del cache, rows
+            except Exception as e:
+                self.error(tag, e)
+            self.save()
+
+    def summarize(self) -> None:
+        r = self.res
+        dec = {(d["batch"], d["context"], d["cache_dtype"]): d for d in r["decode"]}
+        best = {}
+        for f in r["flex"]:
+            k = (f["batch"], f["context"], f["cache_dtype"])
+            if k not in best or f["ms"] < best[k]["ms"]:
+                best[k] = f
+        r["ours_vs_flex"] = [
+            {"batch": k[0], "context": k[1], "cache_dtype": k[2], "ours_ms": dec[k]["ms"], "flex_ms": f["ms"],
+             "flex_variant": f["variant"], "ours_speedup": f["ms"] / dec[k]["ms"]}
+            for k, f in sorted(best.items()) if k in dec]
+        r["graph_timing_off"] = self.timer.graph_off if hasattr(self, "timer") else {}
+        r["flex_off"] = self.flex_off
+
+    # ---- final table
+    def table(self) -> str:
+        r = self.res
+        end = r.get("copy_end", {}).get("GBps")
+        L = [f"== kernel_bench  {r['gpu']}  torch {r['torch']}  triton {r['triton']}  impl {r['impl']}  "
+             f"copy {fmt(r.get('copy_bw_GBps'), '.0f')} GB/s (end of run {fmt(end, '.0f')}) =="]
+        if r["store"]:
+            L.append("store      T  dtype        us     GB/s  %cp")
+            for s in r["store"]:
+                L.append(f"      {s['tokens']:6d}  {s['cache_dtype']:5s} {s['ms'] * 1e3:9.2f} {s['GBps']:8.0f} {fmt(s['pct_copy'], '4.0f')}")
+        if r["prefill"]:
+            L.append("prefill    T  ours TF/s  sdpa_gqa  sdpa_rep  ours/best-sdpa")
+            by = {}
+            for p in r["prefill"]:
+                by.setdefault(p["tokens"], {})[p["impl"]] = p
+            for T, p in by.items():
+                if {"ours", "sdpa_gqa", "sdpa_repeat_kv"} <= p.keys():
+                    L.append(f"      {T:6d}  {p['ours']['tflops']:9.1f} {p['sdpa_gqa']['tflops']:9.1f} "
+                             f"{p['sdpa_repeat_kv']['tflops']:9.1f}  {p['ours']['speed_vs_best_sdpa']:6.2f}x")
+        if r["decode"] or r["flex"]:
+            L.append("decode (us, %cp = % of copy BW; flex = best variant f/p; x = ours speed / flex speed)")
+            L.append("    B    ctx |  bf16 us  %cp |   fp8 us  %cp  fp8x | flex bf16  %cp v | flex fp8  %cp v | x bf16  x fp8 | tok/s bf16")
+            dec = {(d["batch"], d["context"], d["cache_dtype"]): d for d in r["decode"]}
+            fl = {}
+            for f in r["flex"]:
+                k = (f["batch"], f["context"], f["cache_dtype"])
+                if k not in fl or f["ms"] < fl[k]["ms"]:
+                    fl[k] = f
+            pts = sorted({k[:2] for k in list(dec) + list(fl)}, key=lambda p: (p[0], p[1]))
+            for b, c in pts:
+                ob, o8 = dec.get((b, c, "bf16")), dec.get((b, c, "fp8"))
+                fb, f8 = fl.get((b, c, "bf16")), fl.get((b, c, "fp8"))
+
+                def us(x):
+                    if not x:
+                        return f"{'-':>8s} {'-':>4s}"
+                    return f"{x['ms'] * 1e3:8.1f} {fmt(x['pct_copy'], '4.0f', '   -')}"
+
+                fp8x = f"{ob['ms'] / o8['ms']:5.2f}" if ob and o8 else "    -"
+                xb = f"{fb['ms'] / ob['ms']:6.2f}" if ob and fb else "     -"
+                x8 = f"{f8['ms'] / o8['ms']:6.2f}" if o8 and f8 else "     -"
+                vb = fb["variant"][0] if fb else " "
+                v8 = f8["variant"][0] if f8 else " "
+                tok = f"{ob['tokens_per_s']:10.3g}" if ob else "-"
+                L.append(f"{b:5d} {c:6d} | {us(ob)} | {us(o8)} {fp8x} | {us(fb)} {vb} | {us(f8)} {v8} | {xb} {x8} | {tok}")
+        g = [(x["graph_ms"] / x["ms"], x) for x in r["decode"] + r["flex"] + r["store"] if x.get("graph_ms") and x["ms"] > 0]
+        if g:
+            far = [t for t in g if abs(t[0] - 1) > 0.10]
+            L.append(f"graph cross-check (graph_ms/ms): {len(g)} points, median {statistics.median(t[0] for t in g):.3f}, "
+                     f"{len(far)} off by >10%" + (":" if far else ""))
+            for ratio, x in sorted(far, key=lambda t: -abs(t[0] - 1))[:8]:
+                what = "flex " + x["variant"] if "variant" in x else ("store" if "tokens" in x else "ours")
+                L.append(f"  {what} {x['cache_dtype']} B={x.get('batch', '-')} ctx={x.get('context', '-')} "
+                         f"T={x.get('tokens', '-')}: do_bench {x['ms'] * 1e3:.1f}us graph {x['graph_ms'] * 1e3:.1f}us")
+        bad = [c for c in r["checks"] if not c["ok"]]
+        worst = max((c["rel_err"] for c in r["checks"]), default=None)
+        L.append(f"checks: {len(r['checks'])} run, {len(bad)} failed, worst rel err {fmt(worst, '.2e')} (tol {TOL:g}); "
+                 f"errors {len(r['errors'])}; skipped {len(r['skipped'])}; {time.time() - self.t0:.0f}s")
+        for c in bad[:8]:
+            L.append(f"  FAILED {c['name']}: {c['rel_err']:.3e}")
+        for e in r["errors"][:8]:
+            L.append(f"  ERROR {e['where']}: {e['error'][:200]}")
+        for k, v in r.get("flex_off", {}).items():
+            L.append(f"  flex {k} off: {v[:200]}")
+        for k, v in r.get("graph_timing_off", {}).items():
+            L.append(f"  graph timing off for {k}: {v[:150]}")
+        if r["skipped"]:
+            L.append(f"  skipped: {'; '.join(r['skipped'])[:600]}")
+        return "\n".join(L)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/kernels_<time>.json)")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes; on a CPU-only machine the Triton interpreter")
+    p.add_argument("--cpu", action="store_true", help="ignore CUDA even if present (with --smoke)")
+    p.add_argument("--impl", choices=("triton", "reference", "auto"), default=None,
+                   help="kernels under test (default triton; --smoke: auto = Triton where it exists)")
+    p.add_argument("--sections", default="copy,store,prefill,decode")
+    p.add_argument("--no-flex", dest="flex", action="store_false")
+    p.add_argument("--no-flex-fp8", dest="flex_fp8", action="store_false")
+    p.add_argument("--no-ours-decode", dest="ours_decode", action="store_false", help="decode grid: flex only")
+    p.add_argument("--flex-variants", choices=("auto", "both", "full", "partial"), default="auto")
+    p.add_argument("--flex-page-size", type=int, default=128)
+    p.add_argument("--no-graph", dest="graph", action="store_false")
+    p.add_argument("--no-bigpool", dest="bigpool", action="store_false", help="--smoke: skip the >2^31-element pool check")
+    p.add_argument("--batches", type=ints, default=None)
+    p.add_argument("--contexts", type=ints, default=None)
+    p.add_argument("--store-tokens", type=ints, default=None)
+    p.add_argument("--prefill-tokens", type=ints, default=None)
+    p.add_argument("--max-kv-gb", type=float, default=40.0)
+    p.add_argument("--int32-pools", action="store_true",
+                   help="keep every cache tensor under 2^31 elements (skips the larger decode points)")
+    p.add_argument("--q-heads", type=int, default=None)
+    p.add_argument("--kv-heads", type=int, default=None)
+    p.add_argument("--head-dim", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--k-scale", type=float, default=0.02)
+    p.add_argument("--v-scale", type=float, default=0.015)
+    p.add_argument("--warmup-ms", type=float, default=10.0)
+    p.add_argument("--rep-ms", type=float, default=40.0)
+    p.add_argument("--time-budget-s", type=float, default=480.0,
+                   help="skip the remaining points once this much wall time is spent (the device limit is 600 s)")
+    a = p.parse_args(argv)
+    big = dict(batches=[1, 8, 32, 64, 128, 256], contexts=[1024, 4096, 8192, 16384, 32768], store_tokens=[256, 4096, 16384],
+               prefill_tokens=[1024, 2048, 4096, 8192], q_heads=32, kv_heads=8, head_dim=128, copy_elems=1 << 30,
+               flex_check_lens=[1000, 17, 4096, 130, 1, 2048, 777, 129])
+    small = dict(batches=[1, 3], contexts=[40, 300], store_tokens=[5, 40], prefill_tokens=[32, 80], q_heads=8, kv_heads=2,
+                 head_dim=64, copy_elems=1 << 20, flex_check_lens=[300, 1, 129])
+    for k, v in (small if a.smoke else big).items():
+        if getattr(a, k, None) is None:
+            setattr(a, k, v)
+    if a.impl is None:
+        a.impl = "auto" if a.smoke else "triton"
+    if a.out is None:
+        stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+        a.out = f"/tmp/kernel_bench_smoke_{stamp}.json" if a.smoke else os.path.join(_HERE, "results", f"kernels_{stamp}.json")
+    a.sections = [s for s in a.sections.split(",") if s]
+    return a
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    cuda = torch.cuda.is_available() and not args.cpu
+    if not cuda:
+        if not args.smoke:
+            raise SystemExit("no CUDA device: use --smoke")
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        print(f"[smoke] Triton interpreter patched ({patch_triton_interpreter()})")
+    torch.set_grad_enabled(False)
+    torch.manual_seed(0)
+    run = Run(args)
+    try:
+        run.setup()
+        if "copy" in args.sections:
+            try:
+                run.bench_copy()
+            except Exception as e:
+                run.error("copy", e)
+        run.save()
+        points = run.decode_points() if "decode" in args.sections else []
+        if {"store", "prefill", "decode"} & set(args.sections):
+            run.alloc_pools(points or [(1, args.block_size)])
+        if "store" in args.sections:
+            run.bench_store()
+        if "prefill" in args.sections:
+            run.bench_prefill()
+        if points:
+            if args.flex:
+                try:
+                    run.setup_flex(points)
+                except Exception as e:
+                    run.flex_error("flex setup", "all", e)
+                    args.flex = False
+            run.bench_decode(points)
+        if args.smoke and not cuda and args.bigpool:
+            run.bigpool_check()
+        if "copy" in args.sections and cuda:
+            try:  # the ceiling again, after everything (clock / thermal drift)
+                run.bench_copy(key="copy_end")
+            except Exception as e:
+                run.error("copy_end", e)
+    except Exception as e:
+        run.error("main", e)
+    if cuda:
+        run.res["gpu_state_end"] = gpu_state()
+    try:
+        run.summarize()
+    except Exception as e:
+        run.error("summarize", e)
+    run.res["wall_s"] = time.time() - run.t0
+    run.res["failed"] = run.failed
+    run.save()
+    print(run.table())
+    print(f"json: {args.out}")
+    if run.failed:
+        print("KERNEL BENCH: FAILED (see checks/errors above)")
+        return 1
+    print("KERNEL BENCH: OK")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
