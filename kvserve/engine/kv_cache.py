@@ -106,6 +106,7 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
+        self._block_ids: dict[str, list[int]] = {}  # the same blocks as ids, kept in step
         self._num_cached_blocks: dict[str, int] = {}
         # Blocks are entered into the prefix cache when their slots are allocated, i.e. before the
         # step that writes their K/V has run (vLLM does the same; it lets a request admitted later
@@ -150,19 +151,35 @@ class KVCacheManager:
         self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVBlock] | None = None
     ) -> bool:
         """Reserve blocks so that ``num_new_tokens`` more tokens fit; False (nothing changed) if not."""
+        rid, bs = request.request_id, self.block_size
+        blocks = self.req_to_blocks.get(rid)
+        if blocks is not None and not new_computed_blocks:
+            # a running request (a decode, or the next prefill chunk): the common case, kept short
+            total = request.num_computed_tokens + num_new_tokens
+            num_needed = -(-total // bs) - len(blocks)
+            if num_needed > self.pool.num_free_blocks:
+                return False
+            if num_needed > 0:
+                new = self.pool.get_new_blocks(num_needed)
+                blocks.extend(new)
+                self._block_ids[rid].extend(b.block_id for b in new)
+            if self.enable_caching and min(total, request.num_tokens) // bs > self._num_cached_blocks.get(rid, 0):
+                self._cache_full_blocks(request, blocks, min(total, request.num_tokens))
+            return True
         new_computed_blocks = new_computed_blocks or []
-        blocks = self.req_to_blocks.get(request.request_id, [])
-        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        blocks = blocks if blocks is not None else []
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * bs
         total = num_computed + num_new_tokens
-        num_needed = -(-total // self.block_size) - len(blocks) - len(new_computed_blocks)
+        num_needed = -(-total // bs) - len(blocks) - len(new_computed_blocks)
         reclaimable = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if num_needed > self.pool.num_free_blocks - reclaimable:
             return False
         self.pool.touch(new_computed_blocks)
-        blocks = self.req_to_blocks.setdefault(request.request_id, blocks)
+        blocks = self.req_to_blocks.setdefault(rid, blocks)
         blocks.extend(new_computed_blocks)
         if num_needed > 0:
             blocks.extend(self.pool.get_new_blocks(num_needed))
+        self._block_ids[rid] = [b.block_id for b in blocks]
         if self.enable_caching:
             self._cache_full_blocks(request, blocks, min(total, request.num_tokens))
         return True
@@ -189,12 +206,18 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release all of a request's blocks, tail first (so a prefix outlives its suffix in the cache)."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
+        self._block_ids.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
         self._unconfirmed.pop(request.request_id, None)
         self.pool.free(list(reversed(blocks)))
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+        """A copy of the request's block ids."""
+        return list(self._block_ids.get(request_id, ()))
+
+    def block_ids_view(self, request_id: str) -> list[int]:
+        """The request's block ids without a copy (grows as blocks are added): for this step only."""
+        return self._block_ids.get(request_id, [])
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()
@@ -202,6 +225,9 @@ class KVCacheManager:
     def check_invariants(self) -> None:
         """Every reference is accounted for; used by tests."""
         counts = [0] * self.pool.num_blocks
+        assert self._block_ids.keys() == self.req_to_blocks.keys()
+        for rid, blocks in self.req_to_blocks.items():
+            assert self._block_ids[rid] == [b.block_id for b in blocks], f"block ids of {rid} out of step"
         for blocks in self.req_to_blocks.values():
             for b in blocks:
                 counts[b.block_id] += 1

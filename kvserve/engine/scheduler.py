@@ -16,7 +16,7 @@ class ScheduledRequest:
     request: Request
     num_computed_tokens: int  # tokens already in the KV cache before this step
     num_new_tokens: int  # tokens computed this step
-    block_ids: list[int]
+    block_ids: list[int]  # the KV manager's live list: read it during this step only
 
     @property
     def samples(self) -> bool:
@@ -113,7 +113,7 @@ class Scheduler:
 
         for req, num_computed, num_new in plan:
             out.scheduled.append(
-                ScheduledRequest(req, num_computed, num_new, self.kv.get_block_ids(req.request_id))
+                ScheduledRequest(req, num_computed, num_new, self.kv.block_ids_view(req.request_id))
             )
             req.num_computed_tokens = num_computed + num_new
         return out
