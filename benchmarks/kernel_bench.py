@@ -329,7 +329,7 @@ class Run:
         self.t0 = time.time()
         self.res: dict = {"checks": [], "errors": [], "skipped": [], "store": [], "decode": [], "flex": [], "prefill": []}
         self.failed = False
-        self.flex_off: dict[str, str] = {}  # flex cache dtype -> why it was switched off
+        self.flex_off: dict[str, str] = {}  # "dtype/variant" -> why that flex path was switched off
 
     # ---- bookkeeping
     def save(self) -> None:
@@ -351,13 +351,14 @@ class Run:
         self.res["errors"].append({"where": where, "error": f"{type(e).__name__}: {e}", "traceback": tb[-4000:]})
         print(f"[ERROR] {where}: {type(e).__name__}: {str(e)[:500]}")
 
-    def flex_error(self, where: str, name: str, e: BaseException) -> None:
-        """The peer failing to compile/run (e.g. an older torch without fp8 K/V in flex) is recorded
-        and switches that cache dtype off for flex; it does not fail the run (wrong results do)."""
-        self.flex_off[name] = f"{type(e).__name__}: {str(e)[:300]}"
+    def flex_error(self, where: str, name: str, e: BaseException, variant: str = "") -> None:
+        """The peer failing to compile/run (e.g. an older torch without fp8 K/V in flex, or one of
+        its templates failing for one mask structure) is recorded and switches that cache dtype and
+        mask variant off for flex; it does not fail the run (wrong results do)."""
+        self.flex_off[f"{name}/{variant}"] = f"{type(e).__name__}: {str(e)[:300]}"
         self.res.setdefault("flex_errors", []).append(
             {"where": where, "error": f"{type(e).__name__}: {e}"[:2000], "traceback": traceback.format_exc()[-4000:]})
-        print(f"[flex] {where}: {type(e).__name__}: {str(e)[:300]} -> flex {name} off for the rest of the run")
+        print(f"[flex] {where}: {type(e).__name__}: {str(e)[:300]} -> flex {name}/{variant} off for the rest of the run")
         if self.cuda:
             torch.cuda.synchronize()  # a device-side fault would surface here (and end the run)
 
@@ -653,8 +654,8 @@ class Run:
                 ref.store_kv(self.randn(n, hk, d), self.randn(n, hk, d), cache, bt[i, pos // bs].long() * bs + pos % bs, quant)
             expect = ref.paged_attention(q, cache, bt, [1] * b, lens, scale, quant=quant)
             rows = cache.view(-1, hk, d)
-            for variant in self.flex_variants(b):
-                if name in self.flex_off:
+            for variant in self.flex_mod.VARIANTS:
+                if f"{name}/{variant}" in self.flex_off:
                     continue
                 tag = f"flex {name} {variant} reference check B={b} lens={lens}"
                 try:
@@ -668,7 +669,7 @@ class Run:
                     self.check(tag, err, path=self.flex.path(name, variant))
                     print(f"[flex check] {name} {variant} ({self.flex.path(name, variant)}): rel err {err:.2e} vs reference")
                 except Exception as e:
-                    self.flex_error(tag, name, e)
+                    self.flex_error(tag, name, e, variant)
         self.save()
 
     def bench_decode(self, points) -> None:
@@ -734,9 +735,9 @@ class Run:
         plans = {}  # one page table + mask per variant, shared by bf16 and fp8
         for name in self.flex.k:
             best = None
-            for variant in self.flex_variants(b):
-                if name in self.flex_off:
-                    continue
+            usable = [v for v in self.flex_mod.VARIANTS if f"{name}/{v}" not in self.flex_off]
+            chosen = [v for v in self.flex_variants(b) if v in usable] or usable[:1]  # fall back to a working one
+            for variant in chosen:
                 tag = f"decode flex {name} {variant} B={b} ctx={ctx}"
                 try:
                     if variant not in plans:
@@ -764,7 +765,7 @@ class Run:
                     if best is None or t["ms"] < best["ms"]:
                         best = row
                 except Exception as e:
-                    self.flex_error(tag, name, e)
+                    self.flex_error(tag, name, e, variant)
             if best is not None:
                 best["best_of_variants"] = True
                 line.append(f"flex-{name}({best['variant'][0]}) {best['ms'] * 1e3:8.1f}us {fmt(best['pct_copy'], '.0f')}%")
