@@ -82,6 +82,11 @@ class ModelRunner:
         cc.num_blocks = memory.plan_num_blocks(self.kv_spec, budget, mc.max_model_len, cc.num_gpu_blocks_override)
         memory.log_plan(self.kv_spec, cc.num_blocks, mc.max_model_len, self.device, self.kv_dtype.name)
         self.backend = config.runner_config.attention_backend
+        if self.backend == "triton" and mc.dtype in (torch.bfloat16, torch.float16):
+            # one Triton kernel each for the norms, rotary and SiLU-mul (float32 keeps torch's ops)
+            for module in self.model.modules():
+                if hasattr(module, "fused"):
+                    module.fused = True
         self.kv_caches = []
         for layer in self.model.attention_layers():
             # Zero-filled like vLLM's byte buffers (an fp8 cache starts as +0.0).

@@ -1,0 +1,148 @@
+"""Triton kernels for the small per-layer ops of a decode step: (residual add +) RMSNorm, rotary
+embedding and SiLU-and-mul, each one launch instead of 3-10 torch kernels.
+
+Each reproduces its torch twin in ``layers/`` rounding for rounding (the model-dtype add, fp32
+statistics, a rounding to the model dtype before the weight multiply, the rotary products rounded
+one by one), so outputs match to the last bit except where the fp32 sum of squares is reduced in a
+different order. Used for bf16/fp16 models on CUDA with the triton backend (``layers/`` decides);
+float32 models keep the torch ops, whose exactness runs were measured.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rmsnorm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+    heads, stride_xt, stride_xh, stride_rt, stride_ot, stride_oh, stride_rot,
+    n, eps,
+    HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """One row: x[t, h, :n] (h < heads; heads = 1 for plain [T, n] rows)."""
+    pid = tl.program_id(0).to(tl.int64)
+    t = pid // heads
+    h = pid % heads
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n
+    x = tl.load(x_ptr + t * stride_xt + h * stride_xh + cols, mask=mask, other=0.0)
+    if HAS_RES:
+        r = tl.load(res_ptr + t * stride_rt + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)  # the model-dtype add
+        tl.store(res_out_ptr + t * stride_rot + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=0) / n
+    y = (xf * (1.0 / tl.sqrt(var + eps))).to(x_ptr.dtype.element_ty)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    out = (w.to(tl.float32) * y.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + cols, out, mask=mask)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``RMSNorm.forward``: x [T, n] or [T, H, n] (last dim contiguous); with ``residual`` [T, n],
+    returns (norm(x + residual), x + residual)."""
+    assert x.stride(-1) == 1 and weight.is_contiguous()
+    n = x.shape[-1]
+    if x.dim() == 3:
+        assert residual is None
+        t, heads = x.shape[0], x.shape[1]
+        sxt, sxh = x.stride(0), x.stride(1)
+    else:
+        t, heads = x.shape[0], 1
+        sxt, sxh = x.stride(0), 0
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    sot, soh = (out.stride(0), out.stride(1)) if x.dim() == 3 else (out.stride(0), 0)
+    res_out = torch.empty_like(x) if residual is not None else out
+    res = residual if residual is not None else x
+    if t * heads:
+        block = triton.next_power_of_2(n)
+        _rmsnorm_kernel[(t * heads,)](
+            x, res, weight, out, res_out,
+            heads, sxt, sxh, res.stride(0), sot, soh, res_out.stride(0),
+            n, float(eps),
+            HAS_RES=residual is not None, BLOCK=block,
+            num_warps=max(1, min(8, block // 256)),
+        )
+    return (out, res_out) if residual is not None else out
+
+
+@triton.jit
+def _rotary_kernel(
+    x_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr,
+    heads, stride_xt, stride_xh, stride_ot, stride_oh, stride_c,
+    HALF: tl.constexpr, HALF_PAD: tl.constexpr, REST: tl.constexpr, REST_PAD: tl.constexpr,
+):
+    """Token t, all heads: neox (rotate-half) rotation of the first 2 * HALF dims; the rest copied."""
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    hs = tl.arange(0, 16)
+    i = tl.arange(0, HALF_PAD)
+    im = i < HALF
+    dt = x_ptr.dtype.element_ty
+    # cos/sin rows are [cos(f) | cos(f)] of width 2 * HALF: the first half serves both halves
+    c = tl.load(cos_ptr + pos * stride_c + i, mask=im, other=0.0).to(dt).to(tl.float32)
+    s = tl.load(sin_ptr + pos * stride_c + i, mask=im, other=0.0).to(dt).to(tl.float32)
+    for h0 in range(0, heads, 16):
+        h = h0 + hs
+        m = (h[:, None] < heads) & im[None, :]
+        base = x_ptr + t * stride_xt + h[:, None] * stride_xh
+        x1 = tl.load(base + i[None, :], mask=m, other=0.0).to(tl.float32)
+        x2 = tl.load(base + HALF + i[None, :], mask=m, other=0.0).to(tl.float32)
+        # torch: rot * cos + cat(-x2, x1) * sin, each product and the sum rounded to the model dtype
+        o1 = ((x1 * c[None, :]).to(dt).to(tl.float32) + (-x2 * s[None, :]).to(dt).to(tl.float32)).to(dt)
+        o2 = ((x2 * c[None, :]).to(dt).to(tl.float32) + (x1 * s[None, :]).to(dt).to(tl.float32)).to(dt)
+        obase = out_ptr + t * stride_ot + h[:, None] * stride_oh
+        tl.store(obase + i[None, :], o1, mask=m)
+        tl.store(obase + HALF + i[None, :], o2, mask=m)
+        if REST > 0:
+            j = tl.arange(0, REST_PAD)
+            mr = (h[:, None] < heads) & (j[None, :] < REST)
+            tail = tl.load(base + 2 * HALF + j[None, :], mask=mr, other=0.0)
+            tl.store(obase + 2 * HALF + j[None, :], tail, mask=mr)
+
+
+def rotary(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot_dim: int) -> torch.Tensor:
+    """``RotaryEmbedding._rotate`` for x [T, H, D] (last dim contiguous) at ``positions`` [T],
+    with fp32 cos/sin caches [max_position, rot_dim]; returns a new [T, H, D] tensor."""
+    assert x.stride(-1) == 1 and cos.is_contiguous() and sin.is_contiguous()
+    t, heads, d = x.shape
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if t:
+        half, rest = rot_dim // 2, d - rot_dim
+        _rotary_kernel[(t,)](
+            x, out, positions, cos, sin,
+            heads, x.stride(0), x.stride(1), out.stride(0), out.stride(1), cos.stride(0),
+            HALF=half, HALF_PAD=triton.next_power_of_2(half), REST=rest,
+            REST_PAD=triton.next_power_of_2(max(rest, 1)), num_warps=4,
+        )
+    return out
+
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, out_ptr, n, stride_x, stride_o, BLOCK: tl.constexpr):
+    """out[t] = silu(gate) * up for x[t] = [gate | up]; each op rounded to the model dtype, as torch."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = cols < n
+    dt = x_ptr.dtype.element_ty
+    g = tl.load(x_ptr + t * stride_x + cols, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + t * stride_x + n + cols, mask=m, other=0.0).to(tl.float32)
+    a = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+    tl.store(out_ptr + t * stride_o + cols, (a * u).to(dt), mask=m)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``F.silu(gate) * up`` for x [T, 2n] = [gate | up] -> [T, n]."""
+    assert x.stride(-1) == 1
+    t, n2 = x.shape
+    n = n2 // 2
+    out = torch.empty((t, n), dtype=x.dtype, device=x.device)
+    if t:
+        block = min(1024, triton.next_power_of_2(n))
+        _silu_mul_kernel[(t, triton.cdiv(n, block))](x, out, n, x.stride(0), out.stride(0), BLOCK=block, num_warps=4)
+    return out

@@ -1,0 +1,118 @@
+"""The fused Triton layer kernels (kernels/triton_layers.py) against their torch twins in layers/:
+RMSNorm (plain, with residual, per head over a strided q view), rotary (full and partial) and
+SiLU-and-mul, bf16 and fp16 (fp32 for the function), on fresh random inputs. CPU: interpreter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvserve.layers.norm import RMSNorm
+from kvserve.layers.rotary import RotaryEmbedding
+from triton_support import kernel_device, skip_without_triton_device
+
+pytestmark = skip_without_triton_device()
+DEV = kernel_device()
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest difference in units of the dtype's epsilon relative to |b| (1 = one rounding)."""
+    eps = torch.finfo(a.dtype).eps
+    return float(((a.float() - b.float()).abs() / (b.float().abs() * eps + 1e-30)).max().detach())
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert bool(torch.isfinite(got).all())
+    if got.dtype == torch.float32:  # fp32: the statistics differ in the last bits only
+        assert _ulps(got, want) <= 16
+        return
+    same = (got == want).float().mean().item()
+    # the fp32 sum of squares / exp may round differently: a few one-ulp differences, never more
+    assert same >= 0.97, f"only {same:.3f} of the elements are identical"
+    assert _ulps(got, want) <= 2.01
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [64, 576, 1024])
+def test_rms_norm_matches_torch(dtype, n):
+    g = torch.Generator().manual_seed(n)
+    norm = RMSNorm(n, 1e-6).to(DEV, dtype)
+    with torch.no_grad():
+        norm.weight.copy_((torch.rand(n, generator=g) * 2 + 0.1).to(dtype))
+    x = (torch.randn(37, n, generator=g) * 3).to(DEV, dtype)
+    res = (torch.randn(37, n, generator=g) * 5).to(DEV, dtype)
+    with torch.no_grad():
+        want, want_res = norm(x, res)
+        plain = norm(x)
+    norm.fused = True
+    with torch.no_grad():
+        got, got_res = norm(x, res)
+        got_plain = norm(x)
+    assert torch.equal(got_res, want_res)  # the residual add is one model-dtype rounding, as torch
+    _close(got, want)
+    _close(got_plain, plain)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_per_head_on_a_strided_view(dtype):
+    """q/k norm (Qwen3): [T, H, D] heads viewed out of a fused qkv row."""
+    g = torch.Generator().manual_seed(5)
+    t, h, d = 11, 6, 128
+    qkv = (torch.randn(t, (h + 4) * d, generator=g) * 2).to(DEV, dtype)
+    q = qkv[:, : h * d].view(t, h, d)
+    norm = RMSNorm(d, 1e-6).to(DEV, dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(d, generator=g).to(dtype) + 0.5)
+    with torch.no_grad():
+        want = norm(q)
+        norm.fused = True
+        got = norm(q)
+    _close(got, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d,rot,heads", [(128, 128, 16), (64, 32, 3), (128, 64, 20)])
+def test_rotary_matches_torch(dtype, d, rot, heads):
+    g = torch.Generator().manual_seed(d + rot + heads)
+    rope = RotaryEmbedding(d, 4096, {"rope_theta": 1e6, "rope_type": "default"}, rot_dim=rot).to(DEV)
+    t = 13
+    qkv = torch.randn(t, (heads + 2) * d, generator=g).to(DEV, dtype)
+    q = qkv[:, : heads * d].view(t, heads, d)  # strided, as out of the qkv projection
+    k = qkv[:, heads * d :].view(t, 2, d)
+    pos = torch.randint(0, 4096, (t,), generator=g).to(DEV)
+    wq, wk = rope(pos, q, k)
+    rope.fused = True
+    gq, gk = rope(pos, q, k)
+    # products and the sum are rounded one by one as torch does: identical bits
+    assert torch.equal(gq, wq) and torch.equal(gk, wk)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [96, 3072])
+def test_silu_and_mul_matches_torch(dtype, n):
+    from kvserve.kernels.triton_layers import silu_and_mul
+
+    g = torch.Generator().manual_seed(n)
+    x = (torch.randn(9, 2 * n, generator=g) * 4).to(DEV, dtype)
+    gate, up = x.split(n, dim=-1)
+    _close(silu_and_mul(x), F.silu(gate) * up)
+
+
+def test_fused_layers_in_the_engine(make_tiny_model, one_thread):
+    """bf16 model, triton backend: the runner switches the fused kernels on; tokens equal the
+    reference backend's (greedy, 3 prompts)."""
+    from kvserve import LLM, SamplingParams
+
+    folder = make_tiny_model("qwen3")
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = ["The quick brown fox", "def main():\n", "Paged attention stores keys"]
+    outs = {}
+    for backend in ("reference", "triton"):
+        llm = LLM(str(folder), dtype="bfloat16", attention_backend=backend, kv_cache_memory=1 << 22, max_num_seqs=4)
+        fused = [m.fused for m in llm.llm_engine.runner.model.modules() if hasattr(m, "fused")]
+        assert all(fused) == (backend == "triton") and len(fused) > 3
+        outs[backend] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert outs["triton"] == outs["reference"]
