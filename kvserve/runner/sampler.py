@@ -120,13 +120,15 @@ class Sampler:
             if penalize:
                 _apply_penalties(logits[i], r)
 
-        tokens = logits.argmax(dim=-1)  # greedy rows (ties: lowest id, as vLLM)
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+        all_random = bool(rows) and len(random_rows) == len(rows)
+        # greedy rows (ties: lowest id, as vLLM); skipped when every row samples
+        tokens = None if all_random else logits.argmax(dim=-1)
         if random_rows:
             dev = logits.device
             params = [rows[i].params for i in random_rows]
-            idx = torch.tensor(random_rows, device=dev)
-            sub = logits[idx]
+            idx = None if all_random else torch.tensor(random_rows, device=dev)
+            sub = logits if idx is None else logits[idx]  # not modified in place below
             # per-row values go to the device in one copy each; which steps apply is decided on the host
             temps = torch.tensor([p.temperature for p in params], dtype=torch.float32).to(dev, non_blocking=True)
             sub = sub / temps.unsqueeze(1)
@@ -146,8 +148,14 @@ class Sampler:
             for j, i in enumerate(random_rows):
                 if rows[i].generator is not None:
                     q[j].exponential_(generator=rows[i].generator)
-            tokens[idx] = probs.div(q).argmax(dim=-1)
+            picked = probs.div_(q).argmax(dim=-1)
+            if idx is None:
+                tokens = picked
+            else:
+                assert tokens is not None
+                tokens[idx] = picked
 
+        assert tokens is not None
         token_list = tokens.tolist()
         results = [SampleResult(t) for t in token_list]
         if raw_logprobs is not None:
