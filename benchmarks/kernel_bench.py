@@ -781,14 +781,19 @@ class Run:
                 self.error(tag, e)
             self.save()
 
-    def summarize(self) -> None:
-        r = self.res
-        dec = {(d["batch"], d["context"], d["cache_dtype"]): d for d in r["decode"]}
-        best = {}
-        for f in r["flex"]:
+    def _by_point(self) -> tuple[dict, dict]:
+        """Our decode rows and the fastest flex variant, each keyed by (batch, context, cache dtype)."""
+        dec = {(d["batch"], d["context"], d["cache_dtype"]): d for d in self.res["decode"]}
+        best: dict = {}
+        for f in self.res["flex"]:
             k = (f["batch"], f["context"], f["cache_dtype"])
             if k not in best or f["ms"] < best[k]["ms"]:
                 best[k] = f
+        return dec, best
+
+    def summarize(self) -> None:
+        r = self.res
+        dec, best = self._by_point()
         r["ours_vs_flex"] = [
             {"batch": k[0], "context": k[1], "cache_dtype": k[2], "ours_ms": dec[k]["ms"], "flex_ms": f["ms"],
              "flex_variant": f["variant"], "ours_speedup": f["ms"] / dec[k]["ms"]}
@@ -818,12 +823,7 @@ class Run:
         if r["decode"] or r["flex"]:
             L.append("decode (us, %cp = % of copy BW; flex = best variant f/p; x = ours speed / flex speed)")
             L.append("    B    ctx |  bf16 us  %cp |   fp8 us  %cp  fp8x | flex bf16  %cp v | flex fp8  %cp v | x bf16  x fp8 | tok/s bf16")
-            dec = {(d["batch"], d["context"], d["cache_dtype"]): d for d in r["decode"]}
-            fl = {}
-            for f in r["flex"]:
-                k = (f["batch"], f["context"], f["cache_dtype"])
-                if k not in fl or f["ms"] < fl[k]["ms"]:
-                    fl[k] = f
+            dec, fl = self._by_point()
             pts = sorted({k[:2] for k in list(dec) + list(fl)}, key=lambda p: (p[0], p[1]))
             for b, c in pts:
                 ob, o8 = dec.get((b, c, "bf16")), dec.get((b, c, "fp8"))
