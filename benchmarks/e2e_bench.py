@@ -409,6 +409,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--load-format", default="dummy", help="kvserve --load-format (dummy: random weights)")
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                    help="kvserve --async-scheduling (default: the engine's, on for CUDA)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--device", default=None, help="default: cuda (cpu with --smoke)")
     ap.add_argument("--smoke", action="store_true",
@@ -468,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
             "temperature": args.temperature, "top_p": 1.0, "top_k": "off",
             "kv_cache_dtypes": kv_dtypes, "max_num_seqs": max_num_seqs, "max_model_len": max_model_len,
             "load_format": args.load_format, "skip_tokenizer_init": True, "dtype": "bfloat16",
-            "enforce_eager": args.enforce_eager, "num_warmup": args.num_warmup, "engine_extra": engine_extra,
+            "enforce_eager": args.enforce_eager, "async_scheduling": args.async_scheduling, "num_warmup": args.num_warmup, "engine_extra": engine_extra,
             "peer_requests": None if args.skip_peer else peer_n, "peer_model": None if args.skip_peer else peer_model,
         },
         "models": {},
@@ -490,7 +492,8 @@ def main(argv: list[str] | None = None) -> int:
             entry["kvserve_peer_subset"] = {}
         engine_kwargs = dict(model=str(folder), dtype="bfloat16", load_format=args.load_format,
                              skip_tokenizer_init=True, max_model_len=max_model_len, device=device,
-                             enforce_eager=args.enforce_eager, seed=0, **engine_extra)
+                             enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling, seed=0,
+                             **engine_extra)
 
         def on_point(point: dict[str, Any], entry: dict[str, Any] = entry) -> None:
             key = "kvserve" if point["workload"] == "nano-vllm" else "kvserve_peer_subset"

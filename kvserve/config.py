@@ -88,6 +88,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     enable_chunked_prefill: bool = True
+    # schedule step N+1 while step N runs on the device (vLLM's --async-scheduling); resolved
+    async_scheduling: bool = False
 
 
 @dataclass
@@ -152,6 +154,17 @@ def _resolve_kv_cache_dtype(requested: str, model_dtype: torch.dtype, kv_quant: 
             kv_dtype.name,
         )
     return kv_dtype
+
+
+def resolve_async_scheduling(requested: bool | None, device: torch.device) -> bool:
+    """vLLM's rule: ``None`` turns async scheduling on unless something rules it out. Here that
+    is a CPU device, where torch runs every op before returning, so there is nothing to overlap
+    (an explicit ``True`` is honoured everywhere: the tests run it on CPU)."""
+    if requested is None:
+        enabled = device.type == "cuda"
+        logger.info("Asynchronous scheduling is %s.", "enabled" if enabled else f"disabled on {device.type}")
+        return enabled
+    return bool(requested)
 
 
 def resolve_attention_backend(requested: str, device: torch.device) -> str:
@@ -256,6 +269,7 @@ class EngineArgs:
     max_cudagraph_capture_size: int | None = None
     load_format: str = "auto"
     skip_tokenizer_init: bool = False
+    async_scheduling: bool | None = None
 
     def create_engine_config(self) -> EngineConfig:
         from transformers import AutoConfig
@@ -350,6 +364,7 @@ class EngineArgs:
                 max_num_batched_tokens=max_batched,
                 max_model_len=max_model_len,
                 enable_chunked_prefill=self.enable_chunked_prefill,
+                async_scheduling=resolve_async_scheduling(self.async_scheduling, device),
             ),
             device=device,
             tokenizer=None if self.skip_tokenizer_init else (self.tokenizer or str(path)),

@@ -280,6 +280,7 @@ def engine_info(engine: Any) -> dict[str, Any]:
         "device": str(cfg.device),
         "attention_backend": rc.attention_backend,
         "enforce_eager": rc.enforce_eager,
+        "async_scheduling": sc.async_scheduling,
         "cudagraph_capture_sizes": list(rc.cudagraph_capture_sizes) if not rc.enforce_eager else [],
         "weight_bytes": total,
         "decode_weight_bytes": read,
@@ -289,13 +290,17 @@ def engine_info(engine: Any) -> dict[str, Any]:
 
 
 class _StepObserver:
-    """Wraps ``engine.scheduler.schedule`` to note, per step, which requests sample a token, whether
-    the step is decode-only, its batch size and the context tokens its attention reads."""
+    """Wraps ``engine.scheduler.schedule`` to note, per step, whether the step is decode-only, its
+    batch size and the context tokens its attention reads, and ``engine._process`` to note which
+    requests received a token during the ``Engine.step`` call (with async scheduling, the tokens
+    of the step launched one call earlier)."""
 
     def __init__(self, engine: Any) -> None:
+        self.engine = engine
         self.scheduler = engine.scheduler
         self.orig = self.scheduler.schedule
-        self.samplers: list[str] = []
+        self.orig_process = engine._process
+        self.samplers: list[str] = []  # requests that received a token in this call
         self.decode = False
         self.batch = 0
         self.context = 0
@@ -303,23 +308,26 @@ class _StepObserver:
     def __enter__(self) -> "_StepObserver":
         def schedule() -> Any:
             out = self.orig()
-            samplers: list[str] = []
             decode, context = bool(out.scheduled), 0
             for s in out.scheduled:
                 c, n = s.num_computed_tokens, s.num_new_tokens
-                if c + n == s.request.num_tokens:  # ScheduledRequest.samples, before the step runs
-                    samplers.append(s.request.request_id)
                 if n != 1 or c == 0:
                     decode = False
                 context += c + n
-            self.samplers, self.decode, self.batch, self.context = samplers, decode, len(out.scheduled), context
+            self.decode, self.batch, self.context = decode, len(out.scheduled), context
             return out
 
+        def process(scheduled: list, results: dict, prompt_logprobs: dict) -> Any:
+            self.samplers.extend(s.request.request_id for s in scheduled if s.request.request_id in results)
+            return self.orig_process(scheduled, results, prompt_logprobs)
+
         self.scheduler.schedule = schedule
+        self.engine._process = process
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.scheduler.__dict__.pop("schedule", None)  # back to the class method
+        self.scheduler.__dict__.pop("schedule", None)  # back to the class methods
+        self.engine.__dict__.pop("_process", None)
 
 
 _RUN_COUNTER = [0]
@@ -363,16 +371,16 @@ def run_requests(engine: Any, requests: list[BenchRequest], *, temperature: floa
             engine.add_request(f"{prefix}{i}", {"prompt_token_ids": r.prompt_token_ids}, params)
         t_end = t0
         while engine.has_unfinished_requests():
-            obs.batch = 0
+            obs.batch, obs.decode, obs.samplers = 0, False, []
             ts = time.perf_counter()
             outs = engine.step()
             te = time.perf_counter()
-            if not obs.batch:
+            if not obs.batch and not obs.samplers:
                 empty_steps += 1
                 if empty_steps > 1000:
                     raise RuntimeError("the engine scheduled nothing for 1000 steps with requests waiting")
                 continue
-            num_steps += 1
+            num_steps += 1 if obs.batch else 0
             for rid in obs.samplers:
                 i = index.get(rid)
                 if i is None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvserve.config import EngineArgs, EngineConfig
 from kvserve.engine.detokenizer import IncrementalDetokenizer
@@ -14,8 +14,11 @@ from kvserve.engine.outputs import RequestOutput, RequestState
 from kvserve.engine.parallel_sampling import ParentRequest
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.sampling import SamplingParams
-from kvserve.engine.scheduler import Scheduler
+from kvserve.engine.scheduler import Scheduler, SchedulerOutput
 from kvserve.logger import init_logger
+
+if TYPE_CHECKING:
+    from kvserve.runner.model_runner import PendingSamples
 
 logger = init_logger(__name__)
 
@@ -70,6 +73,12 @@ class Engine:
         self.scheduler = Scheduler(config.scheduler_config, self.kv_manager)
         self.states: dict[str, RequestState] = {}
         self.parents: dict[str, ParentRequest] = {}
+        # async scheduling: the step launched last, whose tokens are processed during the next one
+        self.async_scheduling = config.scheduler_config.async_scheduling
+        self._pending: tuple[SchedulerOutput, "PendingSamples"] | None = None
+        self._deferred: list[RequestOutput] = []  # outputs held back by a failed launch
+        self._sync_ids: set[str] = set()  # live requests whose sampling needs host state (see _needs_sync)
+        self.runner.host_state_requests = self._sync_ids
         self.vocab_size = config.model_config.vocab_size
         if self.tokenizer is not None:
             self.vocab_size = max(self.vocab_size, len(self.tokenizer))
@@ -146,6 +155,8 @@ class Engine:
         self, request_id: str, prompt: str | None, ids: list[int], params: SamplingParams,
         index: int = 0, parent: ParentRequest | None = None,
     ) -> None:
+        if _needs_sync(params):
+            self._sync_ids.add(request_id)
         self.states[request_id] = RequestState(
             request_id=request_id,
             prompt=prompt,
@@ -168,9 +179,10 @@ class Engine:
             if self.scheduler.abort(rid) is not None:
                 self.runner.remove_request(rid)
             self.states.pop(rid, None)
+            self._sync_ids.discard(rid)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._pending is not None or bool(self._deferred)
 
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.num_running + self.scheduler.num_waiting
@@ -190,7 +202,47 @@ class Engine:
         return None, None
 
     def step(self) -> list[RequestOutput]:
-        """Schedule one batch, run it, and return the outputs it produced."""
+        """Schedule one batch, run it, and return the outputs it produced. With async scheduling
+        the batch is launched and the outputs returned are those of the step launched before it,
+        whose tokens are processed while this one runs on the device."""
+        if self._deferred:
+            out, self._deferred = self._deferred, []
+            return out
+        if not self.async_scheduling or self._sync_ids:
+            # some live request needs its tokens on the host before the next sampling
+            return self._finish_pending() + self._step_sync()
+        sched = self.scheduler.schedule()
+        launched = None
+        if not sched.is_empty:
+            try:
+                launched = self.runner.execute_async(sched)
+            except BaseException:
+                self._deferred = self._finish_pending()  # the step before is not lost
+                self.abort_request([s.request.request_id for s in sched.scheduled])
+                raise
+            for s in sched.scheduled:
+                if s.samples:
+                    s.request.num_pending += 1
+        outputs = self._finish_pending()
+        if launched is not None:
+            self._pending = (sched, launched)
+        return outputs
+
+    def _finish_pending(self) -> list[RequestOutput]:
+        """Wait for the step launched last and process its tokens."""
+        if self._pending is None:
+            return []
+        sched, launched = self._pending
+        self._pending = None
+        results = launched.results()
+        for s in sched.scheduled:
+            if s.request.request_id in results:
+                s.request.num_pending -= 1
+        # a request that finished (or was aborted) after being scheduled: its token is dropped
+        live = [s for s in sched.scheduled if not s.request.is_finished and s.request.request_id in self.states]
+        return self._process(live, results, {})
+
+    def _step_sync(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
@@ -201,8 +253,12 @@ class Engine:
             # and not-yet-confirmed prefix-cache entries are released) and let the caller decide.
             self.abort_request([s.request.request_id for s in sched.scheduled])
             raise
+        return self._process(sched.scheduled, results, prompt_logprobs)
+
+    def _process(self, scheduled: list, results: dict, prompt_logprobs: dict) -> list[RequestOutput]:
+        """Append each sampled token, apply the stop rules, and build the outputs."""
         outputs: list[RequestOutput] = []
-        for s in sched.scheduled:
+        for s in scheduled:
             req = s.request
             if req.request_id in prompt_logprobs:
                 self.states[req.request_id].add_prompt_logprobs(prompt_logprobs[req.request_id])
@@ -222,6 +278,7 @@ class Engine:
                 self.scheduler.finish_request(req, status)
                 self.runner.remove_request(req.request_id)
                 del self.states[req.request_id]
+                self._sync_ids.discard(req.request_id)
             out = state.make_output(
                 req.num_cached_tokens, status.finish_reason if status is not None else None, stop_reason
             )
@@ -230,3 +287,15 @@ class Engine:
                 if out.finished and state.parent is not None:
                     self.parents.pop(state.parent.request_id, None)
         return outputs
+
+
+def _needs_sync(params: SamplingParams) -> bool:
+    """Sampling that reads host state one step late under async scheduling: penalties (the output
+    ids) and logprobs (computed on the host). Such requests run their steps synchronously."""
+    return (
+        params.logprobs is not None
+        or params.prompt_logprobs is not None
+        or params.presence_penalty != 0.0
+        or params.frequency_penalty != 0.0
+        or params.repetition_penalty != 1.0
+    )

@@ -39,6 +39,7 @@ class LLM:
         max_cudagraph_capture_size: int | None = None,
         load_format: str = "auto",
         skip_tokenizer_init: bool = False,
+        async_scheduling: bool | None = None,
         **kwargs: Any,
     ) -> None:
         if kwargs:
@@ -64,6 +65,7 @@ class LLM:
             max_cudagraph_capture_size=max_cudagraph_capture_size,
             load_format=load_format,
             skip_tokenizer_init=skip_tokenizer_init,
+            async_scheduling=async_scheduling,
         )
         self.llm_engine = Engine.from_engine_args(args)
         self.request_counter = itertools.count()

@@ -45,6 +45,8 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0  # tokens whose KV is in the cache (or being written this step)
+        # async scheduling: tokens sampled on the device but not yet appended here (0 or 1)
+        self.num_pending = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first schedule, -1 before
         self.num_preemptions = 0
         self.block_hashes: list[bytes] = []  # chained hashes of this request's full blocks

@@ -20,8 +20,15 @@ class ScheduledRequest:
 
     @property
     def samples(self) -> bool:
-        """True when this step reaches the end of the known tokens, so a new token is sampled."""
-        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        """True when this step reaches the end of the tokens (known or pending), so a new token is
+        sampled."""
+        req = self.request
+        return self.num_computed_tokens + self.num_new_tokens == req.num_tokens + req.num_pending
+
+    @property
+    def input_pending(self) -> bool:
+        """The step's last input token is the previous step's sample, still on the device."""
+        return self.request.num_pending > 0
 
 
 @dataclass
@@ -64,7 +71,9 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         cfg = self.config
-        # Being asked for a new step means the previous one completed: its cached blocks are valid.
+        # Being asked for a new step means the previous one completed (or, with async scheduling,
+        # was launched: everything this step launches runs after it on the device's stream), so
+        # the blocks it cached hold valid K/V by the time anything reads them.
         self.kv.confirm_cached_blocks()
         budget = cfg.max_num_batched_tokens
         out = SchedulerOutput()
@@ -74,8 +83,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if num_new <= 0:
+            num_new = min(req.num_tokens + req.num_pending - req.num_computed_tokens, budget)
+            if num_new <= 0 or (req.num_pending and self._ends_with_pending(req)):
                 i += 1
                 continue
             while not self.kv.allocate_slots(req, num_new):
@@ -95,6 +104,8 @@ class Scheduler:
         if not out.preempted:
             while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
                 req = self.waiting[0]
+                if req.num_pending:
+                    break  # preempted with a token still on the device: admitted once it is known
                 hits, num_hit_tokens = self.kv.get_computed_blocks(req)
                 num_new = req.num_tokens - num_hit_tokens
                 if num_new > budget and not cfg.enable_chunked_prefill:
@@ -117,6 +128,15 @@ class Scheduler:
             )
             req.num_computed_tokens = num_computed + num_new
         return out
+
+    def _ends_with_pending(self, req: Request) -> bool:
+        """The pending token is the request's last (max_tokens or max_model_len reached): nothing
+        more to compute; it finishes when that token is processed."""
+        max_tokens = req.sampling_params.max_tokens
+        total = req.num_tokens + req.num_pending
+        return total >= self.config.max_model_len or (
+            max_tokens is not None and req.num_output_tokens + req.num_pending >= max_tokens
+        )
 
     def finish_request(self, request: Request, status: RequestStatus) -> None:
         """Finish (stop, length, abort) a request wherever it is; frees its blocks at once."""

@@ -35,6 +35,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--load-format", default="auto", choices=LOAD_FORMAT_CHOICES,
                    help="dummy: random weights (for benchmarks), as vLLM's --load-format dummy")
     g.add_argument("--skip-tokenizer-init", action="store_true", help="no tokenizer: token-id prompts only")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule the next step while the current one runs (default: on for CUDA)")
 
 
 def _llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -42,7 +44,7 @@ def _llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "model tokenizer dtype kv_cache_dtype block_size max_model_len max_num_seqs "
         "max_num_batched_tokens enable_prefix_caching enable_chunked_prefill kv_cache_memory "
         "gpu_memory_utilization num_gpu_blocks_override seed device attention_backend enforce_eager "
-        "max_cudagraph_capture_size load_format skip_tokenizer_init"
+        "max_cudagraph_capture_size load_format skip_tokenizer_init async_scheduling"
     ).split()
     return {k: getattr(args, k) for k in keys}
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -19,11 +20,27 @@ from kvserve.quant.kv_scales import KVScaleLoader
 from kvserve.runner import memory
 from kvserve.runner.cuda_graphs import DecodeGraphs
 from kvserve.runner.sampler import Sampler, SampleResult, SamplingRow, gather_logprobs
+from kvserve.runner.transfer import rows_to_device, to_device
 
 PromptLogprobRows = list[tuple[list[int], list[float], int]]
 _PROMPT_LOGPROB_CHUNK = 512  # rows of full-vocabulary logits computed at once
 
 logger = init_logger(__name__)
+
+
+@dataclass
+class PendingSamples:
+    """One step's sampled tokens on their way to the host (async scheduling): the copy was
+    queued behind the step; ``results`` waits for it."""
+
+    request_ids: list[str]
+    tokens: torch.Tensor  # host tensor, valid once ``event`` has completed
+    event: torch.cuda.Event | None
+
+    def results(self) -> dict[str, SampleResult]:
+        if self.event is not None:
+            self.event.synchronize()
+        return {rid: SampleResult(t) for rid, t in zip(self.request_ids, self.tokens.tolist())}
 
 
 def init_dummy_weights(model: torch.nn.Module, seed: int, low: float = -1e-3, high: float = 1e-3) -> None:
@@ -99,6 +116,11 @@ class ModelRunner:
 
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
+        # async scheduling: the last step's sampled tokens stay on the device; a decode row whose
+        # input is one of them (``ScheduledRequest.input_pending``) gathers it from here
+        self._prev_tokens: torch.Tensor | None = None
+        self._prev_rows: dict[str, int] = {}
+        self.host_state_requests: set[str] | None = None  # set by the engine (see Engine._sync_ids)
         self.graphs: DecodeGraphs | None = None
         rc = config.runner_config
         if not rc.enforce_eager and rc.cudagraph_capture_sizes:
@@ -139,11 +161,19 @@ class ModelRunner:
         triton = self.backend == "triton"
         tables = np.zeros((len(sched.scheduled), max_blocks), dtype=np.int32 if triton else np.int64)
         offset = 0
+        pending_dst: list[int] = []  # input rows whose token is on the device (async scheduling)
+        pending_src: list[int] = []
         for row, s in enumerate(sched.scheduled):
             start, n = s.num_computed_tokens, s.num_new_tokens
             tables[row, : len(s.block_ids)] = s.block_ids
             if n == 1:  # decode: no numpy per row
-                ids.append(s.request.all_token_ids[start])
+                known = s.request.all_token_ids
+                if start < len(known):
+                    ids.append(known[start])
+                else:
+                    ids.append(0)
+                    pending_dst.append(offset)
+                    pending_src.append(self._prev_rows[s.request.request_id])
                 positions.append(start)
                 slots.append(s.block_ids[start // bs] * bs + start % bs)
             else:
@@ -157,16 +187,17 @@ class ModelRunner:
             if s.samples:
                 logits_idx.append(offset - 1)
         dev = self.device
+        input_ids, pos_t, slot_mapping = rows_to_device((ids, positions, slots), torch.long, dev)
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True),
-            block_tables=torch.from_numpy(tables).to(dev, non_blocking=True),
+            slot_mapping=slot_mapping,
+            block_tables=to_device(tables, torch.int32 if triton else torch.long, dev),
             query_lens=query_lens,
             seq_lens=seq_lens,
             block_size=bs,
         )
         if triton:
-            meta.query_start_loc = torch.tensor([0] + list(itertools.accumulate(query_lens)), dtype=torch.int32).to(dev, non_blocking=True)
-            meta.seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True)
+            qsl = [0] + list(itertools.accumulate(query_lens))
+            meta.query_start_loc, meta.seq_lens_t = rows_to_device((qsl, seq_lens), torch.int32, dev)
             meta.max_query_len, meta.max_seq_len = max(query_lens), max(seq_lens)
             if meta.max_query_len == 1 and dev.type == "cuda":
                 # split-KV sized as in the CUDA graphs (by batch size and max_model_len), so eager
@@ -175,36 +206,75 @@ class ModelRunner:
 
                 mc = self.config.model_config
                 meta.num_splits = choose_num_splits(len(query_lens), mc.num_kv_heads, mc.max_model_len, dev)
-        input_ids = torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True)
-        pos_t = torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True)
+        if pending_dst:
+            assert self._prev_tokens is not None
+            dst, src = rows_to_device((pending_dst, pending_src), torch.long, dev)
+            input_ids[dst] = self._prev_tokens[src]
         return input_ids, pos_t, meta, logits_idx
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> tuple[dict[str, SampleResult], dict[str, PromptLogprobRows]]:
         """Run one step. Returns the sampled token of every request that reached its last known
         token, and prompt logprobs for the prompt positions this step computed (when asked)."""
+        # the engine's set of live requests that need host state: empty means none asks for
+        # prompt logprobs, and the per-request check is skipped
+        wanted = self.host_state_requests is None or bool(self.host_state_requests)
+        hidden, logits_idx, sampling, prompt_lps = self._forward(sched, wanted)
+        if not sampling:
+            return {}, prompt_lps
+        logits = self.model.compute_logits(self._sampling_hidden(hidden, logits_idx))
+        results = self.sampler(logits, self._sampling_rows(sampling))
+        return {s.request.request_id: r for s, r in zip(sampling, results)}, prompt_lps
+
+    @torch.inference_mode()
+    def execute_async(self, sched: SchedulerOutput) -> PendingSamples | None:
+        """Launch one step without waiting for it (async scheduling): the sampled tokens stay on
+        the device as the next step's inputs and are copied to the host behind the step. Only
+        for steps whose rows need no host-side logprobs (the engine checks)."""
+        hidden, logits_idx, sampling, _ = self._forward(sched, False)
+        if not sampling:
+            return None
+        logits = self.model.compute_logits(self._sampling_hidden(hidden, logits_idx))
+        tokens, _ = self.sampler.sample_tokens(logits, self._sampling_rows(sampling))
+        ids = [s.request.request_id for s in sampling]
+        self._prev_tokens, self._prev_rows = tokens, {rid: i for i, rid in enumerate(ids)}
+        if tokens.device.type != "cuda":
+            return PendingSamples(ids, tokens, None)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return PendingSamples(ids, host, event)
+
+    def _sampling_hidden(self, hidden: torch.Tensor, logits_idx: list[int]) -> torch.Tensor:
+        """The hidden states of the sampling positions (all of them in a decode-only step)."""
+        if len(logits_idx) == hidden.shape[0]:
+            return hidden  # every token samples: logits_idx is 0..T-1
+        return hidden[to_device(logits_idx, torch.long, self.device)]
+
+    def _sampling_rows(self, sampling: list) -> list[SamplingRow]:
+        rows = []
+        for s in sampling:
+            req = s.request
+            params = req.sampling_params
+            gen = None if params.seed is None else self._generator(req.request_id, params.seed)
+            rows.append(SamplingRow(
+                params, gen, req.num_output_tokens + req.num_pending, req.prompt_token_ids, req.output_token_ids
+            ))
+        return rows
+
+    def _forward(
+        self, sched: SchedulerOutput, prompt_logprobs: bool
+    ) -> tuple[torch.Tensor, list[int], list, dict[str, PromptLogprobRows]]:
+        """Prepare and run the model: hidden states, the rows that sample, prompt logprobs."""
         input_ids, positions, meta, logits_idx = self.prepare(sched)
         if self.graphs is not None and self.graphs.can_run(meta):
             hidden = self.graphs.run(input_ids, positions, meta)
         else:
             hidden = self.model(input_ids, positions, meta)
-        prompt_lps = self._prompt_logprobs(sched, hidden)
+        prompt_lps = self._prompt_logprobs(sched, hidden) if prompt_logprobs else {}
         sampling = [s for s in sched.scheduled if s.samples]
-        if not sampling:
-            return {}, prompt_lps
-        logits = self.model.compute_logits(hidden[torch.tensor(logits_idx, device=self.device)])
-        rows = [
-            SamplingRow(
-                s.request.sampling_params,
-                self._generator(s.request.request_id, s.request.sampling_params.seed),
-                s.request.num_output_tokens,
-                s.request.prompt_token_ids,
-                s.request.output_token_ids,
-            )
-            for s in sampling
-        ]
-        results = self.sampler(logits, rows)
-        return {s.request.request_id: r for s, r in zip(sampling, results)}, prompt_lps
+        return hidden, logits_idx, sampling, prompt_lps
 
     def _prompt_logprobs(self, sched: SchedulerOutput, hidden: torch.Tensor) -> dict[str, PromptLogprobRows]:
         """Logprobs of prompt token p+1 given positions <= p, for the chunk's positions."""

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.engine.sampling import SamplingParams
+from kvserve.runner.transfer import to_device
 
 
 @dataclass
@@ -102,6 +103,20 @@ def _apply_penalties(row_logits: torch.Tensor, r: SamplingRow) -> None:
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
+        tokens, raw_logprobs = self.sample_tokens(logits, rows)
+        token_list = tokens.tolist()
+        results = [SampleResult(t) for t in token_list]
+        if raw_logprobs is not None:
+            for i, r in enumerate(rows):
+                n = r.params.logprobs
+                if n is not None:
+                    (ids, vals, rank), = gather_logprobs(raw_logprobs[i : i + 1], [token_list[i]], n)
+                    results[i].logprob_token_ids, results[i].logprobs, results[i].sampled_rank = ids, vals, rank
+        return results
+
+    def sample_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The sampled token of every row, on the logits' device (no host synchronisation), and
+        the raw logprobs when a row asks for them."""
         src = logits
         logits = logits.float()
         raw_logprobs = None
@@ -127,20 +142,20 @@ class Sampler:
         if random_rows:
             dev = logits.device
             params = [rows[i].params for i in random_rows]
-            idx = None if all_random else torch.tensor(random_rows, device=dev)
+            idx = None if all_random else to_device(random_rows, torch.long, dev)
             sub = logits if idx is None else logits[idx]  # not modified in place below
             # per-row values go to the device in one copy each; which steps apply is decided on the host
-            temps = torch.tensor([p.temperature for p in params], dtype=torch.float32).to(dev, non_blocking=True)
+            temps = to_device([p.temperature for p in params], torch.float32, dev)
             sub = sub / temps.unsqueeze(1)
             if any(p.min_p > 0 for p in params):
-                min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32).to(dev, non_blocking=True)
+                min_p = to_device([p.min_p for p in params], torch.float32, dev)
                 probs = sub.softmax(dim=-1)
                 thresh = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
                 sub = sub.masked_fill(probs < thresh, float("-inf"))
             use_k, use_p = any(p.top_k > 0 for p in params), any(p.top_p < 1 for p in params)
             if use_k or use_p:
-                k = torch.tensor([p.top_k for p in params]).to(dev, non_blocking=True) if use_k else None
-                top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32).to(dev, non_blocking=True) if use_p else None
+                k = to_device([p.top_k for p in params], torch.long, dev) if use_k else None
+                top_p = to_device([p.top_p for p in params], torch.float32, dev) if use_p else None
                 sub = _apply_top_k_top_p(sub, k, top_p)
             probs = sub.softmax(dim=-1)
             # exponential race: unseeded rows share one draw; a seeded row draws from its generator
@@ -156,12 +171,4 @@ class Sampler:
                 tokens[idx] = picked
 
         assert tokens is not None
-        token_list = tokens.tolist()
-        results = [SampleResult(t) for t in token_list]
-        if raw_logprobs is not None:
-            for i, r in enumerate(rows):
-                n = r.params.logprobs
-                if n is not None:
-                    (ids, vals, rank), = gather_logprobs(raw_logprobs[i : i + 1], [token_list[i]], n)
-                    results[i].logprob_token_ids, results[i].logprobs, results[i].sampled_rank = ids, vals, rank
-        return results
+        return tokens, raw_logprobs

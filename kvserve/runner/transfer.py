@@ -1,0 +1,36 @@
+"""Host -> device copies that do not wait for the device.
+
+A copy from pageable host memory can block the host until the stream has drained, which would
+undo async scheduling (the next step is prepared while the current one runs). Inputs are
+therefore staged in pinned memory (torch's caching host allocator) and copied with
+``non_blocking=True``; several small arrays travel as one tensor."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+
+def to_device(data: Sequence | np.ndarray | torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``data`` as a ``dtype`` tensor on ``device``; from pinned memory when the device is CUDA."""
+    if isinstance(data, torch.Tensor):
+        host = data.to(dtype)
+    elif isinstance(data, np.ndarray):
+        host = torch.from_numpy(data).to(dtype)
+    else:
+        host = torch.tensor(data, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def rows_to_device(rows: Sequence[Sequence[int]], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """Several int lists in one copy; returns one contiguous device view per list."""
+    lengths = [len(r) for r in rows]
+    flat: list[int] = []
+    for r in rows:
+        flat.extend(r)
+    packed = to_device(flat, dtype, device)
+    return list(packed.split(lengths))
