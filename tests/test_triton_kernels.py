@@ -13,6 +13,7 @@ grid is ``gpu``-marked.
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 from dataclasses import dataclass
@@ -101,14 +102,14 @@ def _bits(c: torch.Tensor) -> torch.Tensor:
     return c.view(as_int).flatten(3)
 
 
-def _check_store(k, v, slots, cache_shape, cache: str, quant, gen, nan_positions=None) -> None:
+def _check_store(k, v, slots, cache_shape, cache: str, quant, gen, nan_positions=None, store=None) -> None:
     """Store with both implementations into identically poisoned caches and compare bits."""
     ours = _poisoned_cache(cache_shape, _storage(cache), gen)
     poison = ours.clone()
     expected = ours.clone()
     n = slots.shape[0]  # the reference takes int64 slots, one per key row
     reference.store_kv(k[:n], v[:n], expected, slots.long(), quant)
-    triton_store.store_kv(k, v, ours, slots, quant)
+    (store or triton_store.store_kv)(k, v, ours, slots, quant)
     rows = _written_rows(slots, cache_shape[0], cache_shape[2]).to(DEV)
     ob, eb, pb = _bits(ours), _bits(expected), _bits(poison)
     assert torch.equal(ob[~rows], pb[~rows]), "bits outside the stored slots changed"
@@ -173,6 +174,71 @@ def test_store_empty_and_all_padding():
     k, v = _kv_inputs(6, 2, 1, 64, torch.float32, gen)
     for slots in (torch.empty(0, dtype=torch.int64, device=DEV), torch.full((6,), -1, device=DEV)):
         _check_store(k, v, slots, (2, 2, 16, 1, 64), "fp8_e4m3", _quant("fp8_e4m3", 3.1, 0.37), gen)
+
+
+
+# Several tokens per program: (Hk, D, block_size, num_warps or None); Hk = 3 pads the head tile,
+# D = 96 the head, (8, 256) with 16 tokens splits the heads into two groups of 4.
+MULTI_TOKEN_SHAPES = [(2, 64, 16, None), (3, 64, 16, 2), (8, 128, 16, None), (1, 96, 32, 4), (8, 256, 16, None)]
+
+
+def _program_slots(n: int, per_program: int, num_blocks: int, block_size: int, gen: torch.Generator, dtype) -> torch.Tensor:
+    """Distinct random slots, never slot 0 (where a masked-out token's address would point), with
+    -1 interleaved, one whole program's tokens -1 (the second) and the last token -1."""
+    slots = torch.randperm(num_blocks * block_size - 1, generator=gen)[:n] + 1
+    slots[2::3] = -1
+    slots[per_program : 2 * per_program] = -1
+    slots[-1] = -1
+    return slots.to(dtype).to(DEV)
+
+
+@pytest.mark.parametrize("cache", ["bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("per_program", [1, 2, 4, 8])
+def test_store_tokens_per_program(per_program, cache):
+    """Forced tokens per program: token counts that are no multiple of it, more key rows than slots,
+    -1 slots (one program all -1), every input dtype; bit-exact, nothing else touched."""
+    gen = _gen("per-program", per_program, cache)
+    for i, (hk, d, bs, warps) in enumerate(MULTI_TOKEN_SHAPES):
+        k_scale, v_scale = SCALE_PAIRS[i % len(SCALE_PAIRS)]
+        in_dtype = FLOAT[["bf16", "fp16", "fp32"][i % 3]]
+        n = 4 * per_program + per_program // 2 + 1  # a partial last program (per_program > 1)
+        num_blocks = triton_store.triton.cdiv(n + 1, bs) + 2
+        k, v = _kv_inputs(n + 3, 2 * hk, hk, d, in_dtype, gen)
+        slots = _program_slots(n, per_program, num_blocks, bs, gen, torch.int32 if i % 2 else torch.int64)
+        assert (slots.cpu() >= 0).any()
+        ours = functools.partial(triton_store.store_kv, tokens_per_program=per_program, num_warps=warps)
+        _check_store(k, v, slots, (num_blocks, 2, bs, hk, d), cache, _quant(cache, k_scale, v_scale), gen, store=ours)
+
+
+@pytest.mark.parametrize("cache", ["bf16", "fp8_e4m3"])
+def test_store_auto_several_tokens(cache, monkeypatch):
+    """Small heads, few multiprocessors: the automatic choice takes 8 tokens per program; bit-exact."""
+    monkeypatch.setattr(triton_store, "_num_sms", lambda device: 1)
+    gen = _gen("auto-multi", cache)
+    n, hk, d, bs, num_blocks = 50, 2, 64, 16, 5
+    assert triton_store.store_plan(n, hk, d, 2, num_sms=1)[0] == 8
+    k, v = _kv_inputs(n, 2 * hk, hk, d, torch.bfloat16, gen)
+    slots = _program_slots(n, 8, num_blocks, bs, gen, torch.int64)
+    _check_store(k, v, slots, (num_blocks, 2, bs, hk, d), cache, _quant(cache, 3.1, 0.37), gen)
+
+
+def test_store_plan():
+    """The automatic tiling: ~4 KB of K + V per program (several tokens only for small heads), fewer
+    tokens per program while the grid would leave multiprocessors short, ~16 elements per thread,
+    head groups for large heads or large forced programs."""
+    plan = triton_store.store_plan
+    assert plan(65536, 8, 128, 2, num_sms=132) == (1, 8, 128, 2)  # 4 KB of bf16 K + V per token
+    assert plan(65536, 8, 128, 4, num_sms=132) == (1, 8, 128, 2)
+    assert plan(65536, 2, 64, 2, num_sms=132) == (8, 2, 64, 2)  # 512 B per token: 8 tokens
+    assert plan(65536, 3, 64, 2, num_sms=132) == (4, 4, 64, 2)  # 3 heads pad to 4
+    assert plan(2048, 2, 64, 2, num_sms=132)[0] == 2  # 1024 programs >= 4 x 132 (4 tokens: 512)
+    assert plan(7, 2, 64, 2, num_sms=132)[0] == 1
+    assert plan(65536, 64, 128, 2, num_sms=132) == (1, 32, 128, 8)  # 4096-element token tiles: two head groups
+    assert plan(65536, 8, 256, 2, tokens_per_program=16)[:3] == (16, 4, 256)  # program tile capped: head groups
+    assert plan(10, 8, 128, 2, tokens_per_program=2, num_warps=2) == (2, 8, 128, 2)
+    for bad in ({"tokens_per_program": 3}, {"num_warps": 6}):
+        with pytest.raises(ValueError):
+            plan(10, 8, 128, 2, **bad)
 
 
 # Every input dtype x every cache dtype once, the shapes cycled (each case compiles a kernel).
