@@ -441,6 +441,21 @@ def test_attention_decode_only(case, num_splits):
     _check_attention(b, num_splits=num_splits)
 
 
+@pytest.mark.parametrize("case", [(4, 2, 64, 16, "bf16", "bf16"), (4, 2, 64, 16, "bf16", "fp8_e4m3"),
+                                  (2, 2, 64, 32, "fp32", "fp32")], ids=_case_id)
+def test_attention_at_tile_boundaries(case):
+    """Lengths just below, at and above the key-tile sizes (64 / 128): the kernel skips masks on
+    tiles before a block's first query token, so a tile counted unmasked one key too far shows
+    here (a poisoned slot, a wrong key or a key past the query)."""
+    hq, hk, d, bs, qd, cache = case
+    gen = _gen("tiles", case)
+    qlens = [1, 1, 1, 1, 1, 1, 1, 3, 9, 2, 1]
+    slens = [63, 64, 65, 120, 127, 128, 129, 66, 136, 257, 255]
+    b = _make_batch(qlens, slens, hq, hk, d, bs, FLOAT[qd], cache, gen)
+    _check_attention(b)
+    _check_attention(_make_batch([1] * 6, [63, 64, 65, 127, 128, 129], hq, hk, d, bs, FLOAT[qd], cache, gen), num_splits=2)
+
+
 # ---- attention, GPU grid ---------------------------------------------------------------------
 GPU_GQA = [(8, 8), (8, 4), (9, 3), (8, 2), (32, 8)]
 GPU_CACHES = ["bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2"]
