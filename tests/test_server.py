@@ -95,9 +95,12 @@ class ServerThread:
         return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60, **kw)
 
 
-@pytest.fixture(scope="module")
-def server(make_tiny_model):
-    srv = ServerThread(make_tiny_model("llama"), api_key=API_KEY, max_model_len=256)
+@pytest.fixture(scope="module", params=[False, True], ids=["serial", "async-scheduling"])
+def server(make_tiny_model, request):
+    """The server on a serial engine and on one with async scheduling (one step in flight)."""
+    srv = ServerThread(make_tiny_model("llama"), api_key=API_KEY, max_model_len=256,
+                       async_scheduling=request.param)
+    assert srv.engine.async_scheduling is request.param
     yield srv
     srv.stop()
 
@@ -580,13 +583,14 @@ def test_chat_stream_disconnect_openai_client(server):
 def slow_steps(server, monkeypatch):
     """10 ms per engine step, so a 200-token request outlives the disconnect by far."""
     runner = server.engine.runner
-    original = runner.execute
+    name = "execute_async" if server.engine.async_scheduling else "execute"
+    original = getattr(runner, name)
 
     def slow(sched):
         time.sleep(0.01)
         return original(sched)
 
-    monkeypatch.setattr(runner, "execute", slow)
+    monkeypatch.setattr(runner, name, slow)
 
 
 def test_non_stream_disconnect_aborts(server, slow_steps):
