@@ -20,6 +20,9 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_probe import copy_bw, setup  # noqa: E402
+
 from kvserve.kernels import reference as R  # noqa: E402
 from kvserve.kernels import triton_attention as cur  # noqa: E402
 
@@ -41,29 +44,14 @@ def main() -> None:
     ap.add_argument("--tiles", default="16,64,4,3;16,128,4,2", help="';'-separated forced tiles for the current kernel")
     a = ap.parse_args()
     base = load(a.baseline)
-    x = torch.randn(1 << 29, device="cuda")
-    y = torch.empty_like(x)
-    bw = 2 * x.numel() * 4 / triton.testing.do_bench(lambda: y.copy_(x), warmup=30, rep=200, return_mode="median") / 1e6
-    del x, y
+    bw = copy_bw()
     print(f"copy bandwidth {bw:.0f} GB/s", flush=True)
     forced = [tuple(int(v) for v in t.split(",")) for t in a.tiles.split(";") if t]
     rows = []
     for hq, hk, batch, ctx in SHAPES:
         for fp8 in (False, True):
-            bs, d = 16, 128
-            nblk = batch * (ctx // bs)
-            cache = torch.empty((nblk, 2, bs, hk, d), dtype=torch.uint8 if fp8 else torch.bfloat16, device="cuda")
-            quant = None
-            if fp8:
-                cache.view(torch.float8_e4m3fn).copy_(torch.randn(cache.shape, device="cuda").to(torch.float8_e4m3fn))
-                quant = R.CacheQuant(torch.float8_e4m3fn, 448.0, 0.05, 0.07, "cuda")
-            else:
-                cache.normal_()
-            tables = torch.randperm(nblk, device="cuda", dtype=torch.int32).view(batch, ctx // bs)
-            q = torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16)
-            qsl = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
-            seq = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
-            kv_bytes = batch * ctx * hk * d * 2 * cache.element_size()
+            d = 128
+            q, cache, tables, qsl, seq, quant, kv_bytes = setup(batch, ctx, fp8, hq=hq, hk=hk, d=d)
             nc = min(2, batch)
             ref = R.paged_attention(q[:nc], cache, tables[:nc].long(), [1] * nc, [ctx] * nc, d**-0.5, quant=quant).float()
             cands = [("baseline", base.paged_attention, None), ("current", cur.paged_attention, None)]

@@ -20,13 +20,12 @@ the grid depends only on the number of tokens, sequences and splits, never on le
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from kvserve.kernels.reference import CacheQuant
+from kvserve.kernels.triton_store import num_sms
 
 _LOG2E = 1.4426950408889634
 
@@ -249,18 +248,13 @@ def _merge_splits_kernel(
     tl.store(out_ptr + t * stride_ot + h * stride_oh + d, (num / den).to(out_ptr.dtype.element_ty), mask=d < HEAD)
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device, tile_n: int = 64) -> int:
     """Split-KV parts for a decode-only batch: enough programs for ~4 per multiprocessor, each part
     at least 4 tiles of keys; 1 (no split) off CUDA or when the batch already fills the GPU."""
     if device.type != "cuda":
         return 1
     programs = num_seqs * num_kv_heads
-    target = 4 * _num_sms(device.index or 0)
+    target = 4 * num_sms(device)
     if programs >= target:
         return 1
     by_work = max(1, triton.cdiv(max_seq_len, 4 * tile_n))

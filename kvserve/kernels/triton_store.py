@@ -92,7 +92,8 @@ if triton is not None:
 
 
 @functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device (the H100/H200's 132 elsewhere, e.g. in the interpreter)."""
     if device.type != "cuda":
         return _DEFAULT_SMS
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -167,7 +168,7 @@ def store_kv(
         fp8_format, fp8_max = _FP8_FORMAT[quant.fp8_dtype], float(quant.fp8_max)
         k_scale, v_scale = quant.k_scale_t, quant.v_scale_t
     block_t, block_h, block_d, warps = store_plan(
-        num_tokens, num_kv_heads, head_size, key.element_size(), _num_sms(kv_cache.device),
+        num_tokens, num_kv_heads, head_size, key.element_size(), num_sms(kv_cache.device),
         tokens_per_program, num_warps,
     )
     if num_tokens == 0:
