@@ -247,7 +247,7 @@ class Probe:
                             self.res["skipped"].append(tag)
                             continue
                         plan = self.triton_store.store_plan(
-                            T, hk, d, k.element_size(), self.triton_store._num_sms(pool.device), tpp, warps)
+                            T, hk, d, k.element_size(), self.triton_store.num_sms(pool.device), tpp, warps)
                         row = {"cache": cache, "tokens": T, "tpp": tpp or "auto", "warps": warps or "auto",
                                "plan": {"block_t": plan[0], "block_h": plan[1], "block_d": plan[2], "num_warps": plan[3]},
                                "bytes": nbytes}

@@ -213,7 +213,7 @@ def test_store_tokens_per_program(per_program, cache):
 @pytest.mark.parametrize("cache", ["bf16", "fp8_e4m3"])
 def test_store_auto_several_tokens(cache, monkeypatch):
     """Small heads, few multiprocessors: the automatic choice takes 8 tokens per program; bit-exact."""
-    monkeypatch.setattr(triton_store, "_num_sms", lambda device: 1)
+    monkeypatch.setattr(triton_store, "num_sms", lambda device: 1)
     gen = _gen("auto-multi", cache)
     n, hk, d, bs, num_blocks = 50, 2, 64, 16, 5
     assert triton_store.store_plan(n, hk, d, 2, num_sms=1)[0] == 8
