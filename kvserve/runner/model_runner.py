@@ -114,7 +114,8 @@ class ModelRunner:
             layer.bind_kv_cache(cache, self.kv_dtype, self.backend)
             self.kv_caches.append(cache)
 
-        self.sampler = Sampler()
+        # one fused Triton kernel for temperature-only batches on CUDA (torch's ops elsewhere)
+        self.sampler = Sampler(fused=self.device.type == "cuda")
         self.generators: dict[str, torch.Generator] = {}
         # async scheduling: the last step's sampled tokens stay on the device; a decode row whose
         # input is one of them (``ScheduledRequest.input_pending``) gathers it from here

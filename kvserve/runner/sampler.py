@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.engine.sampling import SamplingParams
-from kvserve.runner.transfer import to_device
+from kvserve.runner.transfer import rows_to_device, to_device
 
 
 @dataclass
@@ -102,6 +102,12 @@ def _apply_penalties(row_logits: torch.Tensor, r: SamplingRow) -> None:
 
 
 class Sampler:
+    """``fused`` (set by the runner on CUDA): rows that need temperature only are sampled by one
+    Triton kernel (``kernels/triton_sampling.py``); any other row sends the batch down the torch path."""
+
+    def __init__(self, fused: bool = False) -> None:
+        self.fused = fused
+
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
         tokens, raw_logprobs = self.sample_tokens(logits, rows)
         token_list = tokens.tolist()
@@ -117,6 +123,8 @@ class Sampler:
     def sample_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The sampled token of every row, on the logits' device (no host synchronisation), and
         the raw logprobs when a row asks for them."""
+        if self.fused and rows and all(_temperature_only(r) for r in rows):
+            return self._sample_fused(logits, rows), None
         src = logits
         logits = logits.float()
         raw_logprobs = None
@@ -172,3 +180,34 @@ class Sampler:
 
         assert tokens is not None
         return tokens, raw_logprobs
+
+    def _sample_fused(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Temperature-only rows in one kernel: unseeded rows share a key drawn from torch's
+        global generator (the engine seed makes it repeatable), each from its own counter range;
+        a seeded row's key mixes its seed and output position."""
+        from kvserve.kernels.triton_sampling import gumbel_argmax, seeded_key
+
+        vocab = logits.shape[-1]
+        step_key = int(torch.randint(0, 2**31 - 1, (1,)).item())
+        temps, keys, counters = [], [], []
+        for i, r in enumerate(rows):
+            p = r.params
+            temps.append(0.0 if p.greedy else p.temperature)
+            if p.seed is None:
+                keys.append(step_key)
+                counters.append(i * vocab)
+            else:
+                keys.append(seeded_key(p.seed, r.num_output_tokens))
+                counters.append(0)
+        dev = logits.device
+        keys_t, counters_t = rows_to_device((keys, counters), torch.int32, dev)
+        return gumbel_argmax(logits, to_device(temps, torch.float32, dev), keys_t, counters_t)
+
+
+def _temperature_only(r: SamplingRow) -> bool:
+    """Greedy or plain temperature sampling: nothing that the fused kernel does not do."""
+    p = r.params
+    return (
+        p.logprobs is None and p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0.0 and not r.has_penalties
+        and not (r.num_output_tokens < p.min_tokens and p.all_stop_token_ids)
+    )
