@@ -104,3 +104,17 @@ def test_sampler_uses_the_kernel_for_temperature_only_batches(monkeypatch):
     # seeded: the same seed and position give the same token in any batch
     a = sampler.sample_tokens(logits[2:3], [_row(temperature=0.8, seed=4)])[0]
     assert a[0] == toks[2]
+
+
+def test_sampler_falls_back_when_the_kernel_fails(monkeypatch, kvlog):
+    import kvserve.kernels.triton_sampling as ts
+
+    def broken(*a):
+        raise RuntimeError("no randint4x here")
+
+    monkeypatch.setattr(ts, "gumbel_argmax", broken)
+    sampler = Sampler(fused=True)
+    logits = torch.randn(2, 30, generator=torch.Generator().manual_seed(1)).to(DEV)
+    toks, _ = sampler.sample_tokens(logits, [_row(temperature=0.0), _row(temperature=0.0)])
+    assert toks.tolist() == logits.argmax(dim=-1).tolist() and sampler.fused is False
+    assert kvlog.count("Fused sampling kernel unavailable") == 1

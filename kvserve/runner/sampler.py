@@ -9,7 +9,10 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.engine.sampling import SamplingParams
+from kvserve.logger import init_logger
 from kvserve.runner.transfer import rows_to_device, to_device
+
+logger = init_logger(__name__)
 
 
 @dataclass
@@ -124,7 +127,12 @@ class Sampler:
         """The sampled token of every row, on the logits' device (no host synchronisation), and
         the raw logprobs when a row asks for them."""
         if self.fused and rows and all(_temperature_only(r) for r in rows):
-            return self._sample_fused(logits, rows), None
+            try:
+                return self._sample_fused(logits, rows), None
+            except Exception as e:  # a Triton build without the kernel's features: keep serving
+                logger.warning("Fused sampling kernel unavailable (%s: %s); using torch's sampling ops",
+                               type(e).__name__, e)
+                self.fused = False
         src = logits
         logits = logits.float()
         raw_logprobs = None
