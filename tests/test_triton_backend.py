@@ -54,6 +54,35 @@ def test_triton_backend_survives_preemption(make_tiny_model, one_thread):
     assert tight == roomy
 
 
+@skip_without_triton_device()
+def test_triton_backend_with_async_scheduling_and_preemption(make_tiny_model, one_thread):
+    """Async scheduling (device-side input tokens) and the persistent block table through
+    preemption and recompute: the serial reference backend's tokens."""
+    folder = make_tiny_model("llama")
+    ref = _run(folder, "reference", "auto")
+    count: list[int] = []
+    got = _run(folder, "triton", "auto", count, num_gpu_blocks_override=6, max_model_len=96, async_scheduling=True)
+    assert count[0] > 0
+    assert got == ref
+
+
+def test_block_table_writes_only_new_entries_and_follows_reallocation():
+    from kvserve.runner.block_table import BlockTable
+
+    bt = BlockTable(max_rows=2, max_blocks=4, device=torch.device("cpu"))
+    a, b = [7, 3], [5]
+    assert bt.rows(["a", "b"], [a, b]).tolist() == [[7, 3, 0, 0], [5, 0, 0, 0]]
+    a.append(9)  # a decode filled a block: one new entry
+    assert bt.rows(["b", "a"], [b, a]).tolist() == [[5, 0, 0, 0], [7, 3, 9, 0]]
+    a2 = [4]  # "a" preempted and re-allocated: a new list, written from the start
+    assert bt.rows(["a"], [a2]).tolist()[0][:1] == [4]
+    bt.remove("b")
+    assert bt.rows(["c"], [[8, 8]]).tolist() == [[8, 8, 0, 0]]  # b's row reused
+    assert set(bt.row_of) == {"a", "c"}
+    assert bt.synced[bt.row_of["c"]] == 2 and bt.source[bt.row_of["a"]] is a2
+    assert bool((bt.table.numpy() == bt.host).all())  # the device copy mirrors the host
+
+
 def test_backend_resolution(monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert resolve_attention_backend("auto", cpu) == "reference"

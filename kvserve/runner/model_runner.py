@@ -18,6 +18,7 @@ from kvserve.logger import init_logger
 from kvserve.models.registry import build_model
 from kvserve.quant.kv_scales import KVScaleLoader
 from kvserve.runner import memory
+from kvserve.runner.block_table import BlockTable
 from kvserve.runner.cuda_graphs import DecodeGraphs
 from kvserve.runner.sampler import Sampler, SampleResult, SamplingRow, gather_logprobs
 from kvserve.runner.transfer import rows_to_device, to_device
@@ -104,6 +105,11 @@ class ModelRunner:
             for module in self.model.modules():
                 if hasattr(module, "fused"):
                     module.fused = True
+        self.block_table: BlockTable | None = None
+        if self.backend == "triton":
+            self.block_table = BlockTable(
+                config.scheduler_config.max_num_seqs, -(-mc.max_model_len // cc.block_size), self.device
+            )
         self.kv_caches = []
         for layer in self.model.attention_layers():
             # Zero-filled like vLLM's byte buffers (an fp8 cache starts as +0.0).
@@ -141,6 +147,8 @@ class ModelRunner:
 
     def remove_request(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
+        if self.block_table is not None:
+            self.block_table.remove(request_id)
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:
@@ -158,15 +166,20 @@ class ModelRunner:
         ids: list[int] = []
         positions, slots, logits_idx = [], [], []
         query_lens, seq_lens = [], []
-        max_blocks = max(len(s.block_ids) for s in sched.scheduled)
         triton = self.backend == "triton"
-        tables = np.zeros((len(sched.scheduled), max_blocks), dtype=np.int32 if triton else np.int64)
+        if self.block_table is not None:
+            for req in sched.preempted:  # its blocks are gone; it gets a row again when rescheduled
+                self.block_table.remove(req.request_id)
+        if not triton:
+            max_blocks = max(len(s.block_ids) for s in sched.scheduled)
+            tables = np.zeros((len(sched.scheduled), max_blocks), dtype=np.int64)
         offset = 0
         pending_dst: list[int] = []  # input rows whose token is on the device (async scheduling)
         pending_src: list[int] = []
         for row, s in enumerate(sched.scheduled):
             start, n = s.num_computed_tokens, s.num_new_tokens
-            tables[row, : len(s.block_ids)] = s.block_ids
+            if not triton:
+                tables[row, : len(s.block_ids)] = s.block_ids
             if n == 1:  # decode: no numpy per row
                 known = s.request.all_token_ids
                 if start < len(known):
@@ -181,7 +194,7 @@ class ModelRunner:
                 ids.extend(s.request.all_token_ids[start : start + n])
                 pos = np.arange(start, start + n, dtype=np.int64)
                 positions.extend(pos.tolist())
-                slots.extend((tables[row][pos // bs].astype(np.int64) * bs + pos % bs).tolist())
+                slots.extend((np.asarray(s.block_ids, dtype=np.int64)[pos // bs] * bs + pos % bs).tolist())
             query_lens.append(n)
             seq_lens.append(start + n)
             offset += n
@@ -191,7 +204,10 @@ class ModelRunner:
         input_ids, pos_t, slot_mapping = rows_to_device((ids, positions, slots), torch.long, dev)
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,
-            block_tables=to_device(tables, torch.int32 if triton else torch.long, dev),
+            block_tables=(
+                self.block_table.rows([s.request.request_id for s in sched.scheduled], [s.block_ids for s in sched.scheduled])
+                if triton else to_device(tables, torch.long, dev)
+            ),
             query_lens=query_lens,
             seq_lens=seq_lens,
             block_size=bs,
