@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# H200, first call of the next session: what this session wrote but could not measure (fused
-# temperature sampling, persistent block table), then the end to end with them.
+# H200, first call of the next session: what this session wrote but could not measure (fp8 V as
+# words, fused temperature sampling, persistent block table), then the end to end with them.
 #   GPU tests (sampling kernel, engine) -> step profiles (async) -> e2e Qwen (peer on 64) -> e2e Llama
 set -o pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+# the fp8 V-as-words experiment against the default kernel (same file as baseline: "baseline" = default)
+timeout 100 python3 benchmarks/attn_ab.py --baseline kvserve/kernels/triton_attention.py --tiles "" --v-words \
+  --out $OUT/attn_vwords.json 2>&1 | tee $OUT/attn_vwords.log | grep -v Warning
 timeout 120 python3 -m pytest -q -x -p no:cacheprovider tests/test_triton_sampling.py tests/test_gpu_triton.py 2>&1 \
   | tee $OUT/pytest_gpu.log | grep -E "passed|failed|Error|assert" | tail -6
 for kv in bfloat16 fp8; do

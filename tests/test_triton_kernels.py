@@ -374,7 +374,7 @@ def _rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     return float((x.double() - ref).norm() / ref.norm())
 
 
-def _check_attention(b: Batch, num_splits: int | None = None, pass_out: bool = True) -> None:
+def _check_attention(b: Batch, num_splits: int | None = None, pass_out: bool = True, **kernel_kw) -> None:
     scale = b.query.shape[-1] ** -0.5
     expected = _dense_f64(b, scale)
     # the ground truth agrees with itself (reference backend vs float64 dense)
@@ -384,7 +384,7 @@ def _check_attention(b: Batch, num_splits: int | None = None, pass_out: bool = T
     assert _rel_err(ref, expected) <= tol / 4
     out = torch.full(b.query.shape, math.nan, dtype=b.query.dtype, device=DEV) if pass_out else None
     got = triton_attention.paged_attention(
-        b.query, b.kv_cache, scale=scale, quant=b.quant, out=out, num_splits=num_splits, **b.kernel_args()
+        b.query, b.kv_cache, scale=scale, quant=b.quant, out=out, num_splits=num_splits, **b.kernel_args(), **kernel_kw
     )
     assert got.shape == b.query.shape and got.dtype == b.query.dtype and got.device == b.query.device
     if out is not None:
@@ -454,6 +454,18 @@ def test_attention_at_tile_boundaries(case):
     b = _make_batch(qlens, slens, hq, hk, d, bs, FLOAT[qd], cache, gen)
     _check_attention(b)
     _check_attention(_make_batch([1] * 6, [63, 64, 65, 127, 128, 129], hq, hk, d, bs, FLOAT[qd], cache, gen), num_splits=2)
+
+
+@pytest.mark.parametrize("cache", ["fp8_e4m3", "fp8_e5m2"])
+def test_attention_fp8_v_as_words(cache):
+    """The experimental word path for fp8 V (32-bit loads unpacked to fp16 by bit moves; e4m3
+    carries a 2^-8 factor into v_scale): mixed batch, decodes with splits, tile boundaries."""
+    gen = _gen("vwords", cache)
+    b = _make_batch(MIXED_QLENS, MIXED_SEQLENS, 4, 2, 64, 16, torch.bfloat16, cache, gen)
+    _check_attention(b, v_words=True)
+    b = _make_batch([1] * 6, [63, 64, 65, 127, 129, 200], 8, 2, 128, 16, torch.bfloat16, cache, gen)
+    _check_attention(b, v_words=True)
+    _check_attention(b, num_splits=3, v_words=True)
 
 
 # ---- attention, GPU grid ---------------------------------------------------------------------

@@ -51,6 +51,7 @@ def _attend_tile(
     stride_cb, stride_ckv, stride_cs, stride_ch,
     HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, PAGE: tl.constexpr, TILE_N: tl.constexpr,
     FP8: tl.constexpr, FP8_E5M2: tl.constexpr, IEEE: tl.constexpr, MASKED: tl.constexpr,
+    V_WORDS: tl.constexpr,
 ):
     """One tile of ``TILE_N`` keys: scores, online-softmax update (base 2), P @ V. ``MASKED``
     False: every key of the tile is in range and visible to every row (no masks, no -inf)."""
@@ -64,21 +65,50 @@ def _attend_tile(
         page = tl.load(table + n // PAGE)
         kv_mask = (n >= 0)[:, None] & (d < HEAD)[None, :]  # only the padded head columns
     off = page.to(tl.int64) * stride_cb + (n % PAGE) * stride_cs + kv_head * stride_ch
+    WORDS: tl.constexpr = V_WORDS and FP8 and not IEEE and HEAD_PAD == HEAD
     if HEAD_PAD == HEAD and not MASKED:
         k = tl.load(cache_ptr + off[:, None] + d[None, :])
-        v = tl.load(cache_ptr + stride_ckv + off[:, None] + d[None, :])
+        if not WORDS:
+            v = tl.load(cache_ptr + stride_ckv + off[:, None] + d[None, :])
     else:
         k = tl.load(cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0)
-        v = tl.load(cache_ptr + stride_ckv + off[:, None] + d[None, :], mask=kv_mask, other=0)
+        if not WORDS:
+            v = tl.load(cache_ptr + stride_ckv + off[:, None] + d[None, :], mask=kv_mask, other=0)
+    if WORDS:
+        # fp8 V as 32-bit words, unpacked to fp16 by bit moves in registers: the converted tile then
+        # reaches the P @ V dot through 16-bit shared-memory transposes (ldmatrix) instead of the
+        # byte-by-byte loads Triton emits for an 8-bit operand that is not K-major
+        w4 = tl.arange(0, HEAD // 4)
+        row_ptr = (cache_ptr + stride_ckv + off).to(tl.pointer_type(tl.int32))  # rows of HEAD bytes
+        wptr = tl.multiple_of(row_ptr, 16)[:, None] + w4[None, :]
+        if MASKED:
+            w = tl.load(wptr, mask=n_ok[:, None], other=0)
+        else:
+            w = tl.load(wptr)
+        if FP8_E5M2:  # e5m2 is the top byte of an fp16
+            h0 = ((w << 8) & 0xFF00).to(tl.int16).to(tl.float16, bitcast=True)
+            h1 = (w & 0xFF00).to(tl.int16).to(tl.float16, bitcast=True)
+            h2 = ((w >> 8) & 0xFF00).to(tl.int16).to(tl.float16, bitcast=True)
+            h3 = ((w >> 16) & 0xFF00).to(tl.int16).to(tl.float16, bitcast=True)
+        else:  # e4m3: sign to bit 15, exponent and mantissa to bits 7..13: 2^-8 x the value
+            h0 = (((w << 8) & 0x8000) | ((w << 7) & 0x3F80)).to(tl.int16).to(tl.float16, bitcast=True)
+            h1 = ((w & 0x8000) | ((w >> 1) & 0x3F80)).to(tl.int16).to(tl.float16, bitcast=True)
+            h2 = (((w >> 8) & 0x8000) | ((w >> 9) & 0x3F80)).to(tl.int16).to(tl.float16, bitcast=True)
+            h3 = (((w >> 16) & 0x8000) | ((w >> 17) & 0x3F80)).to(tl.int16).to(tl.float16, bitcast=True)
+        # join nests the last axis innermost: (h0, h2) and (h1, h3) pairs give d = 4j + 0, 1, 2, 3
+        v = tl.reshape(tl.join(tl.join(h0, h2), tl.join(h1, h3)), [TILE_N, HEAD])
     if FP8:
         if FP8_E5M2:
             k = k.to(tl.float8e5, bitcast=True)
-            v = v.to(tl.float8e5, bitcast=True)
+            if not WORDS:
+                v = v.to(tl.float8e5, bitcast=True)
         else:
             k = k.to(tl.float8e4nv, bitcast=True)
-            v = v.to(tl.float8e4nv, bitcast=True)
+            if not WORDS:
+                v = v.to(tl.float8e4nv, bitcast=True)
     k = k.to(q.dtype)
-    v = v.to(q.dtype)
+    if not WORDS:
+        v = v.to(q.dtype)
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -127,7 +157,7 @@ def _attention_kernel(
     HEAD: tl.constexpr, HEAD_PAD: tl.constexpr,
     PAGE: tl.constexpr, TILE_N: tl.constexpr,
     FP8: tl.constexpr, FP8_E5M2: tl.constexpr, IEEE: tl.constexpr,
-    SPLIT: tl.constexpr,
+    SPLIT: tl.constexpr, V_WORDS: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -157,6 +187,8 @@ def _attention_kernel(
     if FP8:
         k_mul = qk_scale * tl.load(k_scale_ptr)
         v_mul = tl.load(v_scale_ptr)
+        if V_WORDS and not FP8_E5M2 and not IEEE and HEAD_PAD == HEAD:
+            v_mul = v_mul * 256.0  # the word path's e4m3 -> fp16 bit moves give 2^-8 x the value
         if not IEEE:
             # fp8 pages convert to fp16 in one instruction per pair (to bf16 it takes several), and
             # fp16 holds every fp8 value exactly. The query is brought into fp16 range by a power of
@@ -189,7 +221,7 @@ def _attention_kernel(
             m_i, l_i, acc = _attend_tile(
                 t, m_i, l_i, acc, q, q_pos, num_keys, scale2, cache_ptr, table, kv_head,
                 stride_cb, stride_ckv, stride_cs, stride_ch,
-                HEAD, HEAD_PAD, PAGE, TILE_N, FP8, FP8_E5M2, IEEE, True,
+                HEAD, HEAD_PAD, PAGE, TILE_N, FP8, FP8_E5M2, IEEE, True, V_WORDS,
             )
     else:
         # Tiles wholly before this block's first query token are visible to every row and in
@@ -199,13 +231,13 @@ def _attention_kernel(
             m_i, l_i, acc = _attend_tile(
                 t, m_i, l_i, acc, q, q_pos, num_keys, scale2, cache_ptr, table, kv_head,
                 stride_cb, stride_ckv, stride_cs, stride_ch,
-                HEAD, HEAD_PAD, PAGE, TILE_N, FP8, FP8_E5M2, IEEE, False,
+                HEAD, HEAD_PAD, PAGE, TILE_N, FP8, FP8_E5M2, IEEE, False, V_WORDS,
             )
         for t in range(full_end, tile_hi):
             m_i, l_i, acc = _attend_tile(
                 t, m_i, l_i, acc, q, q_pos, num_keys, scale2, cache_ptr, table, kv_head,
                 stride_cb, stride_ckv, stride_cs, stride_ch,
-                HEAD, HEAD_PAD, PAGE, TILE_N, FP8, FP8_E5M2, IEEE, True,
+                HEAD, HEAD_PAD, PAGE, TILE_N, FP8, FP8_E5M2, IEEE, True, V_WORDS,
             )
 
     out_row = q_start + tok
@@ -293,13 +325,17 @@ def paged_attention(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     tiles: tuple[int, int, int, int] | None = None,
+    v_words: bool = False,
 ) -> torch.Tensor:
     """Causal paged attention of every sequence's new tokens; see the module docstring.
 
     query [T, Hq, D]; kv_cache [NB, 2, BS, Hk, D] (uint8 for fp8, with ``quant``); block_tables
     [B, M] int32; query_start_loc [B + 1] int32; seq_lens [B] int32. ``num_splits`` None picks
     split-KV automatically for decode-only batches; an int forces it. ``tiles`` overrides the
-    (BLOCK_M, TILE_N, num_warps, num_stages) choice (for tuning). Returns ``out`` [T, Hq, D]."""
+    (BLOCK_M, TILE_N, num_warps, num_stages) choice (for tuning). ``v_words`` (fp8 pages, an
+    experiment, off by default until measured on the GPU): V is read as 32-bit words and unpacked
+    to fp16 by bit moves, so the P @ V operand goes through 16-bit shared-memory transposes instead
+    of byte loads (see docs/GPU.md). Returns ``out`` [T, Hq, D]."""
     num_tokens, num_heads, head = query.shape
     _, _, page, num_kv_heads, head_c = kv_cache.shape
     assert head_c == head and num_heads % num_kv_heads == 0, "query / cache shapes do not match"
@@ -348,7 +384,7 @@ def paged_attention(
         G=group, BLOCK_M=block_m, BLOCK_Q=block_q,
         HEAD=head, HEAD_PAD=head_pad, PAGE=page, TILE_N=tile_n,
         FP8=fp8, FP8_E5M2=fp8 and quant.fp8_dtype == torch.float8_e5m2, IEEE=query.dtype == torch.float32,
-        SPLIT=num_splits > 1,
+        SPLIT=num_splits > 1, V_WORDS=bool(v_words) and fp8,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
