@@ -59,6 +59,7 @@ def main() -> None:
             cands += [(f"current tiles={t}", cur.paged_attention, t, {}) for t in forced]
             if fp8 and a.v_words:
                 cands.append(("current v_words", cur.paged_attention, None, {"v_words": True}))
+                cands += [(f"current v_words tiles={t}", cur.paged_attention, t, {"v_words": True}) for t in forced]
             for name, fn, tiles, kw in cands:
                 try:
                     out = fn(q[:nc], cache, tables[:nc], qsl[: nc + 1], seq[:nc], d**-0.5, 1, ctx, quant, tiles=tiles, **kw).float()
