@@ -208,3 +208,34 @@ def test_failed_launch_keeps_the_step_before(tiny, one_thread, monkeypatch):
     assert not eng.has_unfinished_requests()
     eng.kv_manager.check_invariants()
     assert eng.kv_manager.num_free_blocks == eng.kv_manager.pool.num_blocks
+
+
+def test_device_failure_surfacing_late_aborts_both_steps(tiny, one_thread, monkeypatch):
+    """A step whose failure shows only when its tokens are awaited (a device fault): that step's
+    requests and those of the step launched behind it are aborted; nothing leaks; the engine
+    serves the next request."""
+    from kvserve.runner import model_runner as mr
+
+    eng = _engine(tiny, True)
+    real = mr.PendingSamples.results
+    calls = []
+
+    def failing(self):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("simulated device fault")
+        return real(self)
+
+    monkeypatch.setattr(mr.PendingSamples, "results", failing)
+    eng.add_request("a", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(temperature=0.0, max_tokens=20))
+    eng.add_request("b", {"prompt_token_ids": [9, 10]}, SamplingParams(temperature=0.0, max_tokens=20))
+    eng.step()
+    eng.step()
+    with pytest.raises(RuntimeError, match="simulated device fault"):
+        eng.step()
+    assert not eng.states and not eng.has_unfinished_requests()
+    eng.kv_manager.check_invariants()
+    assert eng.kv_manager.num_free_blocks == eng.kv_manager.pool.num_blocks
+    monkeypatch.setattr(mr.PendingSamples, "results", real)
+    out = _run(eng, [("c", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(temperature=0.0, max_tokens=4))])
+    assert len(out["c"][0][0]) == 4

@@ -223,7 +223,12 @@ class Engine:
             for s in sched.scheduled:
                 if s.samples:
                     s.request.num_pending += 1
-        outputs = self._finish_pending()
+        try:
+            outputs = self._finish_pending()
+        except BaseException:
+            # the step before failed on the device: this one, launched behind it, cannot stand
+            self.abort_request([s.request.request_id for s in sched.scheduled])
+            raise
         if launched is not None:
             self._pending = (sched, launched)
         return outputs
@@ -234,7 +239,11 @@ class Engine:
             return []
         sched, launched = self._pending
         self._pending = None
-        results = launched.results()
+        try:
+            results = launched.results()
+        except BaseException:  # the device failed the step: its requests cannot go on
+            self.abort_request([s.request.request_id for s in sched.scheduled])
+            raise
         for s in sched.scheduled:
             if s.request.request_id in results:
                 s.request.num_pending -= 1
