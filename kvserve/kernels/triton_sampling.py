@@ -49,7 +49,7 @@ if triton is not None:
         t = tl.load(temps_ptr + row)
         key = tl.load(keys_ptr + row)
         counter0 = tl.load(counters_ptr + row)
-        inv_t = tl.where(t > 0.0, 1.0 / t, 1.0)
+        inv_t = 1.0 / tl.where(t > 0.0, t, 1.0)
         noise = t > 0.0
         base = logits_ptr + row.to(tl.int64) * stride_row
         q = tl.arange(0, BLOCK)
