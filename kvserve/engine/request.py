@@ -47,6 +47,7 @@ class Request:
         self.num_computed_tokens = 0  # tokens whose KV is in the cache (or being written this step)
         # async scheduling: tokens sampled on the device but not yet appended here (0 or 1)
         self.num_pending = 0
+        self.max_total_tokens = 1 << 62  # prompt + max_tokens, capped at max_model_len (set by the scheduler)
         self.num_cached_tokens = -1  # prefix-cache hit at first schedule, -1 before
         self.num_preemptions = 0
         self.block_hashes: list[bytes] = []  # chained hashes of this request's full blocks

@@ -17,18 +17,8 @@ class ScheduledRequest:
     num_computed_tokens: int  # tokens already in the KV cache before this step
     num_new_tokens: int  # tokens computed this step
     block_ids: list[int]  # the KV manager's live list: read it during this step only
-
-    @property
-    def samples(self) -> bool:
-        """True when this step reaches the end of the tokens (known or pending), so a new token is
-        sampled."""
-        req = self.request
-        return self.num_computed_tokens + self.num_new_tokens == req.num_tokens + req.num_pending
-
-    @property
-    def input_pending(self) -> bool:
-        """The step's last input token is the previous step's sample, still on the device."""
-        return self.request.num_pending > 0
+    # this step reaches the end of the tokens (known or pending), so a new token is sampled
+    samples: bool = False
 
 
 @dataclass
@@ -55,6 +45,13 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add_request(self, request: Request) -> None:
+        max_tokens = request.sampling_params.max_tokens
+        # the length at which the request ends by max_tokens or max_model_len (async scheduling
+        # does not schedule a request whose pending token reaches it)
+        request.max_total_tokens = min(
+            self.config.max_model_len,
+            request.num_prompt_tokens + (max_tokens if max_tokens is not None else self.config.max_model_len),
+        )
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -84,7 +81,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens + req.num_pending - req.num_computed_tokens, budget)
-            if num_new <= 0 or (req.num_pending and self._ends_with_pending(req)):
+            if num_new <= 0 or (req.num_pending and len(req.all_token_ids) + req.num_pending >= req.max_total_tokens):
                 i += 1
                 continue
             while not self.kv.allocate_slots(req, num_new):
@@ -123,20 +120,12 @@ class Scheduler:
                 budget -= num_new
 
         for req, num_computed, num_new in plan:
+            samples = num_computed + num_new == req.num_tokens + req.num_pending
             out.scheduled.append(
-                ScheduledRequest(req, num_computed, num_new, self.kv.block_ids_view(req.request_id))
+                ScheduledRequest(req, num_computed, num_new, self.kv.block_ids_view(req.request_id), samples)
             )
             req.num_computed_tokens = num_computed + num_new
         return out
-
-    def _ends_with_pending(self, req: Request) -> bool:
-        """The pending token is the request's last (max_tokens or max_model_len reached): nothing
-        more to compute; it finishes when that token is processed."""
-        max_tokens = req.sampling_params.max_tokens
-        total = req.num_tokens + req.num_pending
-        return total >= self.config.max_model_len or (
-            max_tokens is not None and req.num_output_tokens + req.num_pending >= max_tokens
-        )
 
     def finish_request(self, request: Request, status: RequestStatus) -> None:
         """Finish (stop, length, abort) a request wherever it is; frees its blocks at once."""

@@ -124,7 +124,7 @@ class ModelRunner:
         self.sampler = Sampler(fused=self.device.type == "cuda")
         self.generators: dict[str, torch.Generator] = {}
         # async scheduling: the last step's sampled tokens stay on the device; a decode row whose
-        # input is one of them (``ScheduledRequest.input_pending``) gathers it from here
+        # input is one of them (its position is past the known tokens) gathers it from here
         self._prev_tokens: torch.Tensor | None = None
         self._prev_rows: dict[str, int] = {}
         self.host_state_requests: set[str] | None = None  # set by the engine (see Engine._sync_ids)
