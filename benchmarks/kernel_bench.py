@@ -77,6 +77,7 @@ sys.path.insert(0, os.path.dirname(_HERE))  # the repository root: kvserve
 sys.path.insert(0, _HERE)  # flex_paged
 
 import torch  # noqa: E402  (torch does not import triton; TRITON_INTERPRET is set below first)
+import graph_timing  # noqa: E402  (benchmarks/: capture on a side stream, replay timing)
 
 TOL = 2e-2
 GB = 1e9
@@ -183,31 +184,10 @@ class Timer:
         return res
 
     def _capture(self, body) -> "torch.cuda.CUDAGraph":
-        """capture_begin/end on a side stream: torch.cuda.graph() would also run gc.collect() and
-        empty_cache() per capture (~0.2 s each with torch.compile's heap)."""
-        g = torch.cuda.CUDAGraph()
-        self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream):
-            g.capture_begin()
-            try:
-                body()
-            finally:
-                g.capture_end()
-        torch.cuda.current_stream().wait_stream(self.stream)
-        return g
+        return graph_timing.capture(self.stream, body)
 
     def _replay_ms(self, g) -> float:
-        g.replay()
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(5):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            g.replay()
-            b.record()
-            b.synchronize()
-            ts.append(a.elapsed_time(b))
-        return statistics.median(ts)
+        return graph_timing.replay_ms(g, 5)
 
     def _graph_ms(self, fn, est_ms: float, group: str):
         n = 1 << int(round(math.log2(min(64, max(4, 8.0 / max(est_ms, 1e-3))))))  # graph ~8 ms or 4 calls

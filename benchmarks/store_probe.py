@@ -33,7 +33,6 @@ import json
 import math
 import os
 import platform
-import statistics
 import sys
 import time
 import traceback
@@ -41,7 +40,9 @@ import traceback
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(_HERE))  # the repository root: kvserve
 
+sys.path.insert(0, _HERE)  # graph_timing
 import torch  # noqa: E402  (torch does not import triton; TRITON_INTERPRET is set below first)
+import graph_timing  # noqa: E402  (benchmarks/: capture on a side stream, replay timing)
 
 GB = 1e9
 
@@ -139,29 +140,10 @@ class Probe:
         flush = self.flush
 
         def capture(body):
-            g = torch.cuda.CUDAGraph()
-            self.stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(self.stream):
-                g.capture_begin()
-                try:
-                    body()
-                finally:
-                    g.capture_end()
-            torch.cuda.current_stream().wait_stream(self.stream)
-            return g
+            return graph_timing.capture(self.stream, body)
 
         def replay_ms(g) -> float:
-            g.replay()
-            torch.cuda.synchronize()
-            ts = []
-            for _ in range(7):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                g.replay()
-                b.record()
-                b.synchronize()
-                ts.append(a.elapsed_time(b))
-            return statistics.median(ts)
+            return graph_timing.replay_ms(g, 7)
 
         def flushes():
             for _ in range(n):
