@@ -2,9 +2,10 @@
 
 For rows that only need temperature (no top-k / top-p / min-p, no penalties, no logprobs), the
 token is ``argmax_j(x_j / T + g_j)`` with ``g_j = -log(-log u_j)`` Gumbel noise, which draws
-``j`` with probability ``softmax(x / T)_j`` exactly as the exponential race of the torch sampler
-(``argmax(softmax(x / T) / E)``, ``E ~ Exp(1)``; the two are the same draw up to rounding). A
-row with ``T == 0`` takes ``argmax_j x_j``. Ties go to the lowest id, as ``torch.argmax``.
+``j`` with probability ``softmax(x / T)_j``: the distribution of the torch sampler's exponential
+race (``argmax(softmax(x / T) / E)``, ``E ~ Exp(1)``, which is the same rule with ``g = -log E``),
+from a different random stream. A row with ``T == 0`` takes ``argmax_j x_j``. Ties go to the
+lowest id, as ``torch.argmax``.
 
 The uniforms come from Triton's Philox generator keyed per row: an unseeded row uses the step's
 key (drawn from torch's global generator, so the engine seed makes runs repeatable) with a
