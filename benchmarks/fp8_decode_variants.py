@@ -49,7 +49,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from kvserve.kernels import reference as R  # noqa: E402
-from kvserve.kernels.triton_attention import choose_num_splits, paged_attention  # noqa: E402
+from kvserve.kernels.triton_attention import _merge_splits_kernel, choose_num_splits, paged_attention  # noqa: E402
 
 MAX_REL_ERR = 2e-2
 # Compute dtype codes (constexpr COMPUTE): what K/V tiles (and the query) are converted to.
@@ -136,26 +136,8 @@ def _finish(acc, m_i, l_i, v_mul, out_ptr, part_acc_ptr, part_ml_ptr, seq, head,
                  o.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["num_splits"])
-def _merge_kernel(out_ptr, part_acc_ptr, part_ml_ptr, stride_ot, stride_oh, num_heads, num_splits,
-                  HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr):
-    """out[b, h] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s (empty splits: m = -inf, l = 0)."""
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    s = tl.arange(0, SPLITS_PAD)
-    s_ok = s < num_splits
-    base = (b * num_heads + h) * num_splits
-    m = tl.load(part_ml_ptr + (base + s) * 2, mask=s_ok, other=float("-inf"))
-    l = tl.load(part_ml_ptr + (base + s) * 2 + 1, mask=s_ok, other=0.0)
-    m_max = tl.max(m, axis=0)
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.exp2(m - m_max)
-    d = tl.arange(0, HEAD_PAD)
-    acc = tl.load(part_acc_ptr + (base + s)[:, None] * HEAD_PAD + d[None, :], mask=s_ok[:, None], other=0.0)
-    num = tl.sum(acc * w[:, None], axis=0)
-    den = tl.sum(l * w, axis=0)
-    den = tl.where(den == 0.0, 1.0, den)
-    tl.store(out_ptr + b * stride_ot + h * stride_oh + d, (num / den).to(out_ptr.dtype.element_ty), mask=d < HEAD)
+# split-KV partials use the production layout, so the production merge kernel combines them
+_merge_kernel = _merge_splits_kernel
 
 
 # --------------------------------------------------------------------------------------------------
