@@ -1,0 +1,375 @@
+"""Triton unified paged attention over bf16/fp16/fp32 or fp8 pages.
+
+One kernel serves a mixed batch: prefill chunks over their cached context and decode tokens. A
+program owns ``BLOCK_Q`` query tokens of one sequence times the ``G = Hq / Hk`` query heads that
+share one KV head (``BLOCK_M = BLOCK_Q * G`` rows), and walks that sequence's pages in tiles of
+``TILE_N`` tokens (a tile may span several pages; each token's page comes from the block table).
+fp8 pages are read as bytes, converted exactly to the query dtype, and the per-tensor scales are
+applied to the fp32 scores (``k_scale``) and to the fp32 output (``v_scale``). Softmax and
+accumulation run in fp32 (online softmax, base 2).
+
+Split-KV (flash-decoding): the KV range of each program can be cut into ``num_splits`` parts that
+run as separate programs; a second kernel merges their partial results. Chosen automatically for
+decode-only batches whose (sequences x KV heads) would not fill the GPU.
+
+Same contract as ``reference.paged_attention``: sequence i owns query rows
+``query_start_loc[i]:query_start_loc[i+1]`` at positions ``seq_lens[i] - query_len_i ..
+seq_lens[i] - 1``, causal over its cached context plus itself. Every launch is CUDA-graph safe:
+the grid depends only on the number of tokens, sequences and splits, never on lengths.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvserve.kernels.reference import CacheQuant
+from kvserve.kernels.triton_store import num_sms
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _find_seq(query_start_ptr, target, num_seqs, BLOCK_Q: tl.constexpr):
+    """Largest sequence index i with ``query_start[i] // BLOCK_Q + i <= target`` (binary search)."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        val = tl.load(query_start_ptr + mid) // BLOCK_Q + mid
+        if val <= target:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _attend_tile(
+    t, m_i, l_i, acc, q, q_pos, num_keys, scale2, cache_ptr, table, kv_head,
+    stride_cb, stride_ckv, stride_cs, stride_ch,
+    HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, PAGE: tl.constexpr, TILE_N: tl.constexpr,
+    FP8: tl.constexpr, FP8_E5M2: tl.constexpr, IEEE: tl.constexpr, MASKED: tl.constexpr,
+    V_WORDS: tl.constexpr,
+):
+    """One tile of ``TILE_N`` keys: scores, online-softmax update (base 2), P @ V. ``MASKED``
+    False: every key of the tile is in range and visible to every row (no masks, no -inf)."""
+    n = t * TILE_N + tl.arange(0, TILE_N)
+    d = tl.arange(0, HEAD_PAD)
+    if MASKED:
+        n_ok = n < num_keys
+        page = tl.load(table + n // PAGE, mask=n_ok, other=0)
+        kv_mask = n_ok[:, None] & (d < HEAD)[None, :]
+    else:
+        page = tl.load(table + n // PAGE)
+        kv_mask = (n >= 0)[:, None] & (d < HEAD)[None, :]  # only the padded head columns
+    off = page.to(tl.int64) * stride_cb + (n % PAGE) * stride_cs + kv_head * stride_ch
+    WORDS: tl.constexpr = V_WORDS and FP8 and not IEEE and HEAD_PAD == HEAD
+    if HEAD_PAD == HEAD and not MASKED:
+        k = tl.load(cache_ptr + off[:, None] + d[None, :])
+        if not WORDS:
+            v = tl.load(cache_ptr + stride_ckv + off[:, None] + d[None, :])
+    else:
+        k = tl.load(cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0)
+        if not WORDS:
+            v = tl.load(cache_ptr + stride_ckv + off[:, None] + d[None, :], mask=kv_mask, other=0)
+    if WORDS:
+        # PROBE: V half of a page laid out [Hk, D, PAGE] (tokens contiguous): load V^T, transpose
+        vt_off = page.to(tl.int64) * stride_cb + stride_ckv + kv_head * (HEAD * PAGE) + (n % PAGE)
+        vt = tl.load(cache_ptr + d[:, None] * PAGE + vt_off[None, :])
+        v = tl.trans(vt)
+    if FP8:
+        if FP8_E5M2:
+            k = k.to(tl.float8e5, bitcast=True)
+            v = v.to(tl.float8e5, bitcast=True)
+        else:
+            k = k.to(tl.float8e4nv, bitcast=True)
+            v = v.to(tl.float8e4nv, bitcast=True)
+    k = k.to(q.dtype)
+    v = v.to(q.dtype)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    if MASKED:
+        s = s * scale2
+        visible = (n[None, :] <= q_pos[:, None]) & n_ok[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+    elif IEEE:
+        s = s * scale2  # float32 models keep the masked path's roundings
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = m_new
+        p = tl.exp2(s - m_safe[:, None])
+    else:
+        # scale folded into one FMA per score (scale2 > 0, so the max commutes with it)
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * scale2)
+        m_safe = m_new
+        p = tl.exp2(s * scale2 - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if IEEE:
+        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + pv
+    return m_new, l_i, acc
+
+
+# Lengths and batch-dependent values are not specialized (Triton would compile a variant per
+# divisibility class of each, mid-serving); model-constant strides and sizes are.
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt", "num_splits", "stride_qt", "stride_ot"])
+def _attention_kernel(
+    out_ptr, part_acc_ptr, part_ml_ptr,
+    q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
+    k_scale_ptr, v_scale_ptr, qk_scale,
+    num_seqs,
+    stride_qt, stride_qh,
+    stride_ot, stride_oh,
+    stride_cb, stride_ckv, stride_cs, stride_ch,
+    stride_bt,
+    num_splits,
+    G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
+    HEAD: tl.constexpr, HEAD_PAD: tl.constexpr,
+    PAGE: tl.constexpr, TILE_N: tl.constexpr,
+    FP8: tl.constexpr, FP8_E5M2: tl.constexpr, IEEE: tl.constexpr,
+    SPLIT: tl.constexpr, V_WORDS: tl.constexpr,
+):
+    q_block = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq = _find_seq(query_start_ptr, q_block, num_seqs, BLOCK_Q)
+    q_start = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    q_off = (q_block - (q_start // BLOCK_Q + seq)) * BLOCK_Q
+    if q_off >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context = seq_len - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    tok = q_off + rows // G  # query token of each row, within the sequence's chunk
+    head = kv_head * G + rows % G
+    row_ok = (tok < q_len) & (rows < BLOCK_Q * G)  # G need not be a power of two
+    q_pos = context + tok  # absolute position of each row's token
+    d = tl.arange(0, HEAD_PAD)
+    d_ok = d < HEAD
+
+    q = tl.load(
+        q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :], other=0.0,
+    )
+    if FP8:
+        k_mul = qk_scale * tl.load(k_scale_ptr)
+        v_mul = tl.load(v_scale_ptr)
+        if V_WORDS and not FP8_E5M2 and not IEEE and HEAD_PAD == HEAD:
+            v_mul = v_mul * 1.0  # the word path's e4m3 -> fp16 bit moves give 2^-8 x the value
+        if not IEEE:
+            # fp8 pages convert to fp16 in one instruction per pair (to bf16 it takes several), and
+            # fp16 holds every fp8 value exactly. The query is brought into fp16 range by a power of
+            # two 2^(14 - e), e = floor(log2 max|q|), exact for bf16 values; the scores undo it.
+            qf = q.to(tl.float32)
+            q_max = tl.max(tl.max(tl.abs(qf), axis=1), axis=0)
+            e = ((q_max.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+            e = tl.minimum(tl.maximum(e, -100), 100)
+            q_mul = ((127 + 14 - e) << 23).to(tl.float32, bitcast=True)
+            q = (qf * q_mul).to(tl.float16)
+            k_mul = k_mul / q_mul
+    else:
+        k_mul = qk_scale
+        v_mul = 1.0
+
+    # Keys this block can see: its context plus its own chunk up to its last token.
+    num_keys = context + tl.minimum(q_off + BLOCK_Q, q_len)
+    num_tiles = tl.cdiv(num_keys, TILE_N)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+    table = block_tables_ptr + seq * stride_bt
+    scale2 = k_mul * 1.4426950408889634  # scores to the log2 domain
+    if SPLIT:  # (split-KV parts: one masked loop measured faster, see benchmarks/attn_ab.py)
+        for t in range(tile_lo, tile_hi):
+            m_i, l_i, acc = _attend_tile(
+                t, m_i, l_i, acc, q, q_pos, num_keys, scale2, cache_ptr, table, kv_head,
+                stride_cb, stride_ckv, stride_cs, stride_ch,
+                HEAD, HEAD_PAD, PAGE, TILE_N, FP8, FP8_E5M2, IEEE, True, V_WORDS,
+            )
+    else:
+        # Tiles wholly before this block's first query token are visible to every row and in
+        # range: no masks there (per-element work bounds the fp8 kernel); the rest masked.
+        full_end = tl.minimum(tl.maximum((context + q_off) // TILE_N, tile_lo), tile_hi)
+        for t in range(tile_lo, full_end):
+            m_i, l_i, acc = _attend_tile(
+                t, m_i, l_i, acc, q, q_pos, num_keys, scale2, cache_ptr, table, kv_head,
+                stride_cb, stride_ckv, stride_cs, stride_ch,
+                HEAD, HEAD_PAD, PAGE, TILE_N, FP8, FP8_E5M2, IEEE, False, V_WORDS,
+            )
+        for t in range(full_end, tile_hi):
+            m_i, l_i, acc = _attend_tile(
+                t, m_i, l_i, acc, q, q_pos, num_keys, scale2, cache_ptr, table, kv_head,
+                stride_cb, stride_ckv, stride_cs, stride_ch,
+                HEAD, HEAD_PAD, PAGE, TILE_N, FP8, FP8_E5M2, IEEE, True, V_WORDS,
+            )
+
+    out_row = q_start + tok
+    if not SPLIT:
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        o = acc / l_safe[:, None] * v_mul
+        tl.store(
+            out_ptr + out_row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+            o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :],
+        )
+    else:
+        # Partials: acc [T, Hq, S, HEAD_PAD] (unnormalized, v-scaled), (m, l) [T, Hq, S, 2].
+        part = (out_row * (G * tl.num_programs(1)) + head) * num_splits + split
+        tl.store(part_acc_ptr + part[:, None] * HEAD_PAD + d[None, :], acc * v_mul, mask=row_ok[:, None])
+        tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
+        tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _merge_splits_kernel(
+    out_ptr, part_acc_ptr, part_ml_ptr, stride_ot, stride_oh, num_heads, num_splits,
+    HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    """out[t, h] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the splits of one row."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, SPLITS_PAD)
+    s_ok = s < num_splits
+    base = (t * num_heads + h) * num_splits
+    m = tl.load(part_ml_ptr + (base + s) * 2, mask=s_ok, other=float("-inf"))
+    l = tl.load(part_ml_ptr + (base + s) * 2 + 1, mask=s_ok, other=0.0)
+    m_max = tl.max(m, axis=0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.exp2(m - m_max)
+    d = tl.arange(0, HEAD_PAD)
+    acc = tl.load(part_acc_ptr + (base + s)[:, None] * HEAD_PAD + d[None, :], mask=s_ok[:, None], other=0.0)
+    num = tl.sum(acc * w[:, None], axis=0)
+    den = tl.sum(l * w, axis=0)
+    den = tl.where(den == 0.0, 1.0, den)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, (num / den).to(out_ptr.dtype.element_ty), mask=d < HEAD)
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device, tile_n: int = 64) -> int:
+    """Split-KV parts for a decode-only batch: enough programs for ~4 per multiprocessor, each part
+    at least 4 tiles of keys; 1 (no split) off CUDA or when the batch already fills the GPU."""
+    if device.type != "cuda":
+        return 1
+    programs = num_seqs * num_kv_heads
+    target = 4 * num_sms(device)
+    if programs >= target:
+        return 1
+    by_work = max(1, triton.cdiv(max_seq_len, 4 * tile_n))
+    return int(max(1, min(triton.cdiv(target, programs), by_work, 32)))
+
+
+def _tile_config(
+    max_query_len: int, group: int, head_pad: int, is_cuda: bool, fp8: bool = False, split: bool = False
+) -> tuple[int, int, int, int]:
+    """(BLOCK_M, TILE_N, num_warps, num_stages) for the batch shape (tuned on the H200, see
+    benchmarks/decode_probe.py and attn_ab.py: decode tiles of ~16 KB of K per stage; bf16
+    split-KV parts read 128-key tiles, 9-35% faster there; fp8 two stages, 1-2% faster)."""
+    g = triton.next_power_of_2(group)
+    if max_query_len == 1:
+        block_m = max(16, g)  # one decode token x G heads, padded for tl.dot
+        if fp8:
+            tile_n = 128 if head_pad <= 128 else 64
+            return block_m, tile_n, 4, (2 if is_cuda else 1)
+        tile_n = (128 if split else 64) if head_pad <= 128 else 32
+        return block_m, tile_n, 4, ((2 if split else 3) if is_cuda else 1)
+    block_m = max(64, g) if head_pad <= 128 else max(32, g)
+    tile_n = 64 if head_pad <= 128 else 32
+    return block_m, tile_n, (4 if block_m <= 64 else 8), (2 if is_cuda else 1)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+    quant: CacheQuant | None = None,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    tiles: tuple[int, int, int, int] | None = None,
+    v_words: bool = False,
+) -> torch.Tensor:
+    """Causal paged attention of every sequence's new tokens; see the module docstring.
+
+    query [T, Hq, D]; kv_cache [NB, 2, BS, Hk, D] (uint8 for fp8, with ``quant``); block_tables
+    [B, M] int32; query_start_loc [B + 1] int32; seq_lens [B] int32. ``num_splits`` None picks
+    split-KV automatically for decode-only batches; an int forces it. ``tiles`` overrides the
+    (BLOCK_M, TILE_N, num_warps, num_stages) choice (for tuning). ``v_words`` (fp8 pages, an
+    experiment, off by default until measured on the GPU): V is read as 32-bit words and unpacked
+    to fp16 by bit moves, so the P @ V operand goes through 16-bit shared-memory transposes instead
+    of byte loads (see docs/GPU.md). Returns ``out`` [T, Hq, D]."""
+    num_tokens, num_heads, head = query.shape
+    _, _, page, num_kv_heads, head_c = kv_cache.shape
+    assert head_c == head and num_heads % num_kv_heads == 0, "query / cache shapes do not match"
+    assert kv_cache.stride(-1) == 1 and query.stride(-1) == 1
+    if quant is not None:
+        assert kv_cache.dtype == torch.uint8, "an fp8 cache is stored as uint8"
+    else:
+        assert kv_cache.dtype == query.dtype or kv_cache.dtype in (torch.bfloat16, torch.float16, torch.float32)
+    if out is None:
+        out = torch.empty_like(query)
+    num_seqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    group = num_heads // num_kv_heads
+    head_pad = triton.next_power_of_2(head)
+    is_cuda = query.device.type == "cuda"
+    if num_splits is None:
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, query.device) if max_query_len == 1 else 1
+    block_m, tile_n, num_warps, num_stages = tiles or _tile_config(
+        max_query_len, group, head_pad, is_cuda, quant is not None, num_splits > 1
+    )
+    block_q = block_m // triton.next_power_of_2(group)
+    fp8 = quant is not None
+    if quant is None:
+        cache = kv_cache if kv_cache.dtype == query.dtype else kv_cache  # mixed float dtypes convert in-kernel
+        k_scale_t = v_scale_t = seq_lens  # unused placeholders (never read)
+    else:
+        cache = kv_cache
+        k_scale_t, v_scale_t = quant.k_scale_t, quant.v_scale_t
+    if num_splits > 1:
+        part_acc = torch.empty((num_tokens, num_heads, num_splits, head_pad), dtype=torch.float32, device=query.device)
+        part_ml = torch.empty((num_tokens, num_heads, num_splits, 2), dtype=torch.float32, device=query.device)
+    else:
+        part_acc = part_ml = out  # unused
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
+    _attention_kernel[grid](
+        out, part_acc, part_ml,
+        query, cache, block_tables, seq_lens, query_start_loc,
+        k_scale_t, v_scale_t, float(scale),
+        num_seqs,
+        query.stride(0), query.stride(1),
+        out.stride(0), out.stride(1),
+        cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
+        block_tables.stride(0),
+        num_splits,
+        G=group, BLOCK_M=block_m, BLOCK_Q=block_q,
+        HEAD=head, HEAD_PAD=head_pad, PAGE=page, TILE_N=tile_n,
+        FP8=fp8, FP8_E5M2=fp8 and quant.fp8_dtype == torch.float8_e5m2, IEEE=query.dtype == torch.float32,
+        SPLIT=num_splits > 1, V_WORDS=bool(v_words) and fp8,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(num_tokens, num_heads)](
+            out, part_acc, part_ml, out.stride(0), out.stride(1), num_heads, num_splits,
+            HEAD=head, HEAD_PAD=head_pad, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
+            num_warps=4 if head_pad >= 128 else 2,
+        )
+    return out
