@@ -41,7 +41,6 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--baseline", required=True)
     ap.add_argument("--out", default=None)
-    ap.add_argument("--v-words", action="store_true", help="also the fp8 V-as-words experiment (paged_attention v_words=True)")
     ap.add_argument("--tiles", default="16,64,4,3;16,128,4,2", help="';'-separated forced tiles for the current kernel")
     a = ap.parse_args()
     base = load(a.baseline)
@@ -57,9 +56,6 @@ def main() -> None:
             ref = R.paged_attention(q[:nc], cache, tables[:nc].long(), [1] * nc, [ctx] * nc, d**-0.5, quant=quant).float()
             cands = [("baseline", base.paged_attention, None, {}), ("current", cur.paged_attention, None, {})]
             cands += [(f"current tiles={t}", cur.paged_attention, t, {}) for t in forced]
-            if fp8 and a.v_words:
-                cands.append(("current v_words", cur.paged_attention, None, {"v_words": True}))
-                cands += [(f"current v_words tiles={t}", cur.paged_attention, t, {"v_words": True}) for t in forced]
             for name, fn, tiles, kw in cands:
                 try:
                     out = fn(q[:nc], cache, tables[:nc], qsl[: nc + 1], seq[:nc], d**-0.5, 1, ctx, quant, tiles=tiles, **kw).float()

@@ -3,15 +3,15 @@
 ptxas-free PTX stage) with the runtime's specializations (16-byte aligned pointers, strides
 divisible by 16), and counts the shared-memory, copy, conversion and MMA instructions of its PTX.
 
-    python benchmarks/ptx_stats.py --cache fp8_e4m3 [--v-words] [--group 2] [--split]
+    python benchmarks/ptx_stats.py --cache fp8_e4m3 [--group 2] [--split]
 
 Found with it (2026-11-29, triton 3.9 on the dev machine): an fp8 V tile reaches the P @ V dot by
 ``ld.shared.b8`` byte loads (128 per thread per tile: V is the operand whose reduction axis, the
 tokens, is not contiguous, and 8-bit ldmatrix cannot transpose), where bf16 V uses
-``ldmatrix.trans``; ``v_words`` (V read as 32-bit words, unpacked to fp16 in registers) turns them
-into ``ldmatrix.trans`` at the cost of 73 KB instead of 40 KB of shared memory. The counts are
-static (both tile loops of the kernel) and depend on the Triton version; time it on the GPU
-(``attn_ab.py --v-words``) before changing a default.
+``ldmatrix.trans``. Reading V as 32-bit words unpacked to fp16 in registers (commit 94b989d) or
+storing V token-major (``benchmarks/probes``, commit c88a527) turns them into ldmatrix, and both
+measured slower on the H200 (docs/GPU.md). The counts are static (both tile loops of the kernel)
+and depend on the Triton version; time a change on the GPU before changing a default.
 """
 
 from __future__ import annotations
@@ -33,11 +33,11 @@ from kvserve.kernels import triton_attention as ta  # noqa: E402
 PTX_OPS = r"\b(ld\.shared[\.\w]*|st\.shared[\.\w]*|ldmatrix[\.\w]*|cp\.async\.c[ag][\.\w]*|mma\.sync[\.\w]*|cvt\.rn\.f16x2\.e[45]m[23]x2|prmt\.b32|ex2\.approx[\.\w]*|shfl\.sync[\.\w]*)"
 
 
-def compile_stats(cache: str, group: int, split: bool, v_words: bool, warps: int | None = None,
+def compile_stats(cache: str, group: int, split: bool, warps: int | None = None,
                   stages: int | None = None) -> dict:
     fp8 = cache.startswith("fp8")
     head = 128
-    block_m, tile_n, w, st = ta._tile_config(1, group, head, True, fp8, split)
+    block_m, tile_n, w, st, maxnreg = ta._tile_config(1, group, head, True, fp8, split)
     sig = {
         "out_ptr": "*bf16", "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "q_ptr": "*bf16",
         "cache_ptr": "*u8" if fp8 else "*bf16", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
@@ -48,7 +48,7 @@ def compile_stats(cache: str, group: int, split: bool, v_words: bool, warps: int
     }
     const = dict(G=group, BLOCK_M=block_m, BLOCK_Q=block_m // triton.next_power_of_2(group), HEAD=head,
                  HEAD_PAD=head, PAGE=16, TILE_N=tile_n, FP8=fp8, FP8_E5M2=cache == "fp8_e5m2", IEEE=False,
-                 SPLIT=split, V_WORDS=v_words and fp8)
+                 SPLIT=split)
     for k in const:
         sig[k] = "constexpr"
     names = list(sig)
@@ -58,9 +58,10 @@ def compile_stats(cache: str, group: int, split: bool, v_words: bool, warps: int
                     constexprs={(names.index(k),): v for k, v in const.items()},
                     attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
     ck = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                        options={"num_warps": warps or w, "num_stages": stages or st})
+                        options={"num_warps": warps or w, "num_stages": stages or st,
+                                                                      **({"maxnreg": maxnreg} if maxnreg else {})})
     counts = collections.Counter(re.findall(PTX_OPS, ck.asm["ptx"]))
-    return {"cache": cache, "group": group, "split": split, "v_words": v_words, "tile_n": tile_n,
+    return {"cache": cache, "group": group, "split": split, "tile_n": tile_n,
             "num_warps": warps or w, "num_stages": stages or st, "shared_bytes": ck.metadata.shared,
             "ptx": dict(sorted(counts.items(), key=lambda kv: -kv[1]))}
 
@@ -70,10 +71,9 @@ def main() -> None:
     ap.add_argument("--cache", default="fp8_e4m3", choices=["bf16", "fp8_e4m3", "fp8_e5m2"])
     ap.add_argument("--group", type=int, default=2, help="query heads per KV head")
     ap.add_argument("--split", action="store_true", help="the split-KV variant")
-    ap.add_argument("--v-words", action="store_true")
     a = ap.parse_args()
-    r = compile_stats(a.cache, a.group, a.split, a.v_words)
-    print(f"{r['cache']} G={r['group']} split={r['split']} v_words={r['v_words']}: TILE_N {r['tile_n']}, "
+    r = compile_stats(a.cache, a.group, a.split)
+    print(f"{r['cache']} G={r['group']} split={r['split']}: TILE_N {r['tile_n']}, "
           f"{r['num_warps']} warps, {r['num_stages']} stages, shared memory {r['shared_bytes']} B (triton {triton.__version__})")
     for op, n in r["ptx"].items():
         print(f"  {op:48s} {n}")

@@ -456,18 +456,6 @@ def test_attention_at_tile_boundaries(case):
     _check_attention(_make_batch([1] * 6, [63, 64, 65, 127, 128, 129], hq, hk, d, bs, FLOAT[qd], cache, gen), num_splits=2)
 
 
-@pytest.mark.parametrize("cache", ["fp8_e4m3", "fp8_e5m2"])
-def test_attention_fp8_v_as_words(cache):
-    """The experimental word path for fp8 V (32-bit loads unpacked to fp16 by bit moves; e4m3
-    carries a 2^-8 factor into v_scale): mixed batch, decodes with splits, tile boundaries."""
-    gen = _gen("vwords", cache)
-    b = _make_batch(MIXED_QLENS, MIXED_SEQLENS, 4, 2, 64, 16, torch.bfloat16, cache, gen)
-    _check_attention(b, v_words=True)
-    b = _make_batch([1] * 6, [63, 64, 65, 127, 129, 200], 8, 2, 128, 16, torch.bfloat16, cache, gen)
-    _check_attention(b, v_words=True)
-    _check_attention(b, num_splits=3, v_words=True)
-
-
 # ---- attention, GPU grid ---------------------------------------------------------------------
 GPU_GQA = [(8, 8), (8, 4), (9, 3), (8, 2), (32, 8)]
 GPU_CACHES = ["bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2"]

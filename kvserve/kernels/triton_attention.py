@@ -51,7 +51,6 @@ def _attend_tile(
     stride_cb, stride_ckv, stride_cs, stride_ch,
     HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, PAGE: tl.constexpr, TILE_N: tl.constexpr,
     FP8: tl.constexpr, FP8_E5M2: tl.constexpr, IEEE: tl.constexpr, MASKED: tl.constexpr,
-    V_WORDS: tl.constexpr,
 ):
     """One tile of ``TILE_N`` keys: scores, online-softmax update (base 2), P @ V. ``MASKED``
     False: every key of the tile is in range and visible to every row (no masks, no -inf)."""
@@ -65,50 +64,21 @@ def _attend_tile(
         page = tl.load(table + n // PAGE)
         kv_mask = (n >= 0)[:, None] & (d < HEAD)[None, :]  # only the padded head columns
     off = page.to(tl.int64) * stride_cb + (n % PAGE) * stride_cs + kv_head * stride_ch
-    WORDS: tl.constexpr = V_WORDS and FP8 and not IEEE and HEAD_PAD == HEAD
     if HEAD_PAD == HEAD and not MASKED:
         k = tl.load(cache_ptr + off[:, None] + d[None, :])
-        if not WORDS:
-            v = tl.load(cache_ptr + stride_ckv + off[:, None] + d[None, :])
+        v = tl.load(cache_ptr + stride_ckv + off[:, None] + d[None, :])
     else:
         k = tl.load(cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0)
-        if not WORDS:
-            v = tl.load(cache_ptr + stride_ckv + off[:, None] + d[None, :], mask=kv_mask, other=0)
-    if WORDS:
-        # fp8 V as 32-bit words, unpacked to fp16 by bit moves in registers: the converted tile then
-        # reaches the P @ V dot through 16-bit shared-memory transposes (ldmatrix) instead of the
-        # byte-by-byte loads Triton emits for an 8-bit operand that is not K-major
-        w4 = tl.arange(0, HEAD // 4)
-        row_ptr = (cache_ptr + stride_ckv + off).to(tl.pointer_type(tl.int32))  # rows of HEAD bytes
-        wptr = tl.multiple_of(row_ptr, 16)[:, None] + w4[None, :]
-        if MASKED:
-            w = tl.load(wptr, mask=n_ok[:, None], other=0)
-        else:
-            w = tl.load(wptr)
-        if FP8_E5M2:  # e5m2 is the top byte of an fp16
-            h0 = ((w << 8) & 0xFF00).to(tl.int16).to(tl.float16, bitcast=True)
-            h1 = (w & 0xFF00).to(tl.int16).to(tl.float16, bitcast=True)
-            h2 = ((w >> 8) & 0xFF00).to(tl.int16).to(tl.float16, bitcast=True)
-            h3 = ((w >> 16) & 0xFF00).to(tl.int16).to(tl.float16, bitcast=True)
-        else:  # e4m3: sign to bit 15, exponent and mantissa to bits 7..13: 2^-8 x the value
-            h0 = (((w << 8) & 0x8000) | ((w << 7) & 0x3F80)).to(tl.int16).to(tl.float16, bitcast=True)
-            h1 = ((w & 0x8000) | ((w >> 1) & 0x3F80)).to(tl.int16).to(tl.float16, bitcast=True)
-            h2 = (((w >> 8) & 0x8000) | ((w >> 9) & 0x3F80)).to(tl.int16).to(tl.float16, bitcast=True)
-            h3 = (((w >> 16) & 0x8000) | ((w >> 17) & 0x3F80)).to(tl.int16).to(tl.float16, bitcast=True)
-        # join nests the last axis innermost: (h0, h2) and (h1, h3) pairs give d = 4j + 0, 1, 2, 3
-        v = tl.reshape(tl.join(tl.join(h0, h2), tl.join(h1, h3)), [TILE_N, HEAD])
+        v = tl.load(cache_ptr + stride_ckv + off[:, None] + d[None, :], mask=kv_mask, other=0)
     if FP8:
         if FP8_E5M2:
             k = k.to(tl.float8e5, bitcast=True)
-            if not WORDS:
-                v = v.to(tl.float8e5, bitcast=True)
+            v = v.to(tl.float8e5, bitcast=True)
         else:
             k = k.to(tl.float8e4nv, bitcast=True)
-            if not WORDS:
-                v = v.to(tl.float8e4nv, bitcast=True)
+            v = v.to(tl.float8e4nv, bitcast=True)
     k = k.to(q.dtype)
-    if not WORDS:
-        v = v.to(q.dtype)
+    v = v.to(q.dtype)
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -157,7 +127,7 @@ def _attention_kernel(
     HEAD: tl.constexpr, HEAD_PAD: tl.constexpr,
     PAGE: tl.constexpr, TILE_N: tl.constexpr,
     FP8: tl.constexpr, FP8_E5M2: tl.constexpr, IEEE: tl.constexpr,
-    SPLIT: tl.constexpr, V_WORDS: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -187,8 +157,6 @@ def _attention_kernel(
     if FP8:
         k_mul = qk_scale * tl.load(k_scale_ptr)
         v_mul = tl.load(v_scale_ptr)
-        if V_WORDS and not FP8_E5M2 and not IEEE and HEAD_PAD == HEAD:
-            v_mul = v_mul * 256.0  # the word path's e4m3 -> fp16 bit moves give 2^-8 x the value
         if not IEEE:
             # fp8 pages convert to fp16 in one instruction per pair (to bf16 it takes several), and
             # fp16 holds every fp8 value exactly. The query is brought into fp16 range by a power of
@@ -221,7 +189,7 @@ def _attention_kernel(
             m_i, l_i, acc = _attend_tile(
                 t, m_i, l_i, acc, q, q_pos, num_keys, scale2, cache_ptr, table, kv_head,
                 stride_cb, stride_ckv, stride_cs, stride_ch,
-                HEAD, HEAD_PAD, PAGE, TILE_N, FP8, FP8_E5M2, IEEE, True, V_WORDS,
+                HEAD, HEAD_PAD, PAGE, TILE_N, FP8, FP8_E5M2, IEEE, True,
             )
     else:
         # Tiles wholly before this block's first query token are visible to every row and in
@@ -231,13 +199,13 @@ def _attention_kernel(
             m_i, l_i, acc = _attend_tile(
                 t, m_i, l_i, acc, q, q_pos, num_keys, scale2, cache_ptr, table, kv_head,
                 stride_cb, stride_ckv, stride_cs, stride_ch,
-                HEAD, HEAD_PAD, PAGE, TILE_N, FP8, FP8_E5M2, IEEE, False, V_WORDS,
+                HEAD, HEAD_PAD, PAGE, TILE_N, FP8, FP8_E5M2, IEEE, False,
             )
         for t in range(full_end, tile_hi):
             m_i, l_i, acc = _attend_tile(
                 t, m_i, l_i, acc, q, q_pos, num_keys, scale2, cache_ptr, table, kv_head,
                 stride_cb, stride_ckv, stride_cs, stride_ch,
-                HEAD, HEAD_PAD, PAGE, TILE_N, FP8, FP8_E5M2, IEEE, True, V_WORDS,
+                HEAD, HEAD_PAD, PAGE, TILE_N, FP8, FP8_E5M2, IEEE, True,
             )
 
     out_row = q_start + tok
@@ -295,21 +263,23 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device
 
 def _tile_config(
     max_query_len: int, group: int, head_pad: int, is_cuda: bool, fp8: bool = False, split: bool = False
-) -> tuple[int, int, int, int]:
-    """(BLOCK_M, TILE_N, num_warps, num_stages) for the batch shape (tuned on the H200, see
-    benchmarks/decode_probe.py and attn_ab.py: decode tiles of ~16 KB of K per stage; bf16
-    split-KV parts read 128-key tiles, 9-35% faster there; fp8 two stages, 1-2% faster)."""
+) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, TILE_N, num_warps, num_stages, maxnreg; 0 = no cap) for the batch shape (tuned on
+    the H200, see benchmarks/decode_probe.py, attn_ab.py, probes/fp8_occupancy_probe.py: decode
+    tiles of ~16 KB of K per stage; bf16 split-KV parts read 128-key tiles, 9-35% faster there;
+    fp8 two stages, and at most 168 registers per thread: 3 programs per multiprocessor instead
+    of 2 at G <= 2 (204 registers uncapped), 10% faster, no spills)."""
     g = triton.next_power_of_2(group)
     if max_query_len == 1:
         block_m = max(16, g)  # one decode token x G heads, padded for tl.dot
         if fp8:
             tile_n = 128 if head_pad <= 128 else 64
-            return block_m, tile_n, 4, (2 if is_cuda else 1)
+            return block_m, tile_n, 4, (2 if is_cuda else 1), (168 if head_pad <= 128 else 0)
         tile_n = (128 if split else 64) if head_pad <= 128 else 32
-        return block_m, tile_n, 4, ((2 if split else 3) if is_cuda else 1)
+        return block_m, tile_n, 4, ((2 if split else 3) if is_cuda else 1), 0
     block_m = max(64, g) if head_pad <= 128 else max(32, g)
     tile_n = 64 if head_pad <= 128 else 32
-    return block_m, tile_n, (4 if block_m <= 64 else 8), (2 if is_cuda else 1)
+    return block_m, tile_n, (4 if block_m <= 64 else 8), (2 if is_cuda else 1), 0
 
 
 def paged_attention(
@@ -324,18 +294,14 @@ def paged_attention(
     quant: CacheQuant | None = None,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
-    tiles: tuple[int, int, int, int] | None = None,
-    v_words: bool = False,
+    tiles: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of every sequence's new tokens; see the module docstring.
 
     query [T, Hq, D]; kv_cache [NB, 2, BS, Hk, D] (uint8 for fp8, with ``quant``); block_tables
     [B, M] int32; query_start_loc [B + 1] int32; seq_lens [B] int32. ``num_splits`` None picks
     split-KV automatically for decode-only batches; an int forces it. ``tiles`` overrides the
-    (BLOCK_M, TILE_N, num_warps, num_stages) choice (for tuning). ``v_words`` (fp8 pages, an
-    experiment, off by default until measured on the GPU): V is read as 32-bit words and unpacked
-    to fp16 by bit moves, so the P @ V operand goes through 16-bit shared-memory transposes instead
-    of byte loads (see docs/GPU.md). Returns ``out`` [T, Hq, D]."""
+    (BLOCK_M, TILE_N, num_warps, num_stages[, maxnreg]) choice (for tuning). Returns ``out`` [T, Hq, D]."""
     num_tokens, num_heads, head = query.shape
     _, _, page, num_kv_heads, head_c = kv_cache.shape
     assert head_c == head and num_heads % num_kv_heads == 0, "query / cache shapes do not match"
@@ -354,9 +320,10 @@ def paged_attention(
     is_cuda = query.device.type == "cuda"
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, query.device) if max_query_len == 1 else 1
-    block_m, tile_n, num_warps, num_stages = tiles or _tile_config(
+    block_m, tile_n, num_warps, num_stages, *maxnreg = tiles or _tile_config(
         max_query_len, group, head_pad, is_cuda, quant is not None, num_splits > 1
     )
+    launch_opts = {"maxnreg": maxnreg[0]} if is_cuda and maxnreg and maxnreg[0] else {}
     block_q = block_m // triton.next_power_of_2(group)
     fp8 = quant is not None
     if quant is None:
@@ -384,8 +351,8 @@ def paged_attention(
         G=group, BLOCK_M=block_m, BLOCK_Q=block_q,
         HEAD=head, HEAD_PAD=head_pad, PAGE=page, TILE_N=tile_n,
         FP8=fp8, FP8_E5M2=fp8 and quant.fp8_dtype == torch.float8_e5m2, IEEE=query.dtype == torch.float32,
-        SPLIT=num_splits > 1, V_WORDS=bool(v_words) and fp8,
-        num_warps=num_warps, num_stages=num_stages,
+        SPLIT=num_splits > 1,
+        num_warps=num_warps, num_stages=num_stages, **launch_opts,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
