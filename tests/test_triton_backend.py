@@ -43,6 +43,43 @@ def test_triton_backend_gives_the_reference_tokens(make_tiny_model, kv, one_thre
     assert len({tuple(t) for t in ref}) == len(ref)  # distinct outputs: the check can fail
 
 
+def test_warm_up_token_counts_cover_store_tiles_and_integer_specializations():
+    """Powers of two (every store tile size), the step budget, one odd count."""
+    from kvserve.runner.warmup import warm_up_token_counts
+
+    assert warm_up_token_counts(24) == [1, 2, 4, 8, 16, 23, 24]
+    assert warm_up_token_counts(33) == [1, 2, 4, 8, 16, 32, 33]
+    assert warm_up_token_counts(2) == [1, 2]
+    assert warm_up_token_counts(1) == [1]
+
+
+@skip_without_triton_device()
+def test_kernel_warm_up_writes_no_kv_and_leaves_generation_unchanged(make_tiny_model, one_thread):
+    """The start-up warm-up (run on CUDA; here called directly) runs every dummy step, prefill
+    chunks split at max_model_len, without writing one KV byte; generation afterwards gives the
+    reference backend's tokens."""
+    from kvserve.runner.warmup import warm_up_kernels, warm_up_token_counts
+
+    folder = make_tiny_model("qwen3")
+    ref = _run(folder, "reference", "fp8_e4m3", max_model_len=80)
+    llm = LLM(
+        str(folder), attention_backend="triton", kv_cache_dtype="fp8_e4m3", dtype="float32", max_num_seqs=4,
+        max_num_batched_tokens=96, max_model_len=80, kv_cache_memory=1 << 22,
+    )
+    runner = llm.llm_engine.runner
+    gen = torch.Generator().manual_seed(5)
+    for cache in runner.kv_caches:  # random bytes, so a stray write shows
+        cache.copy_(torch.randint(0, 256, cache.shape, generator=gen, dtype=torch.uint8))
+    before = [c.clone() for c in runner.kv_caches]
+    free = llm.llm_engine.kv_manager.num_free_blocks
+    assert warm_up_kernels(runner) == len(warm_up_token_counts(96)) + 2
+    assert all(torch.equal(a, b) for a, b in zip(before, runner.kv_caches))
+    assert llm.llm_engine.kv_manager.num_free_blocks == free
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (9, 12, 5, 7)]
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == ref
+
+
 @skip_without_triton_device()
 def test_triton_backend_survives_preemption(make_tiny_model, one_thread):
     """A pool too small for all four requests preempts and recomputes; tokens do not change."""

@@ -22,6 +22,7 @@ from kvserve.runner.block_table import BlockTable
 from kvserve.runner.cuda_graphs import DecodeGraphs
 from kvserve.runner.sampler import Sampler, SampleResult, SamplingRow, gather_logprobs
 from kvserve.runner.transfer import rows_to_device, to_device
+from kvserve.runner.warmup import warm_up_kernels
 
 PromptLogprobRows = list[tuple[list[int], list[float], int]]
 _PROMPT_LOGPROB_CHUNK = 512  # rows of full-vocabulary logits computed at once
@@ -128,6 +129,8 @@ class ModelRunner:
         self._prev_tokens: torch.Tensor | None = None
         self._prev_rows: dict[str, int] = {}
         self.host_state_requests: set[str] | None = None  # set by the engine (see Engine._sync_ids)
+        if self.backend == "triton" and self.device.type == "cuda":
+            warm_up_kernels(self)  # no request waits on a Triton compile later
         self.graphs: DecodeGraphs | None = None
         rc = config.runner_config
         if not rc.enforce_eager and rc.cudagraph_capture_sizes:
