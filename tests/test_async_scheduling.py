@@ -9,10 +9,12 @@ from __future__ import annotations
 import argparse
 
 import pytest
+import torch
 
 from kvserve.config import EngineArgs
 from kvserve.engine.engine import Engine
 from kvserve.engine.sampling import SamplingParams
+from kvserve.runner.transfer import rows_to_device
 
 
 def _engine(model, async_scheduling, **kw):
@@ -239,3 +241,15 @@ def test_device_failure_surfacing_late_aborts_both_steps(tiny, one_thread, monke
     monkeypatch.setattr(mr.PendingSamples, "results", real)
     out = _run(eng, [("c", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(temperature=0.0, max_tokens=4))])
     assert len(out["c"][0][0]) == 4
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_rows_to_device_views_are_16_byte_aligned(dtype):
+    """One packed copy, one view per list, every view starting on a 16-byte boundary whatever the
+    lengths (Triton specializes on pointer alignment), values intact."""
+    rows = ([7, 8, 9], [1, 2, 3, 4, 5], [6], [], [10, 11])
+    views = rows_to_device(rows, dtype, torch.device("cpu"))
+    assert [v.tolist() for v in views] == [list(r) for r in rows]
+    assert all(v.dtype == dtype for v in views)
+    assert all(v.storage_offset() * v.element_size() % 16 == 0 for v in views)
+    assert len({v.untyped_storage().data_ptr() for v in views}) == 1  # one copy

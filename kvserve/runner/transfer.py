@@ -27,10 +27,15 @@ def to_device(data: Sequence | np.ndarray | torch.Tensor, dtype: torch.dtype, de
 
 
 def rows_to_device(rows: Sequence[Sequence[int]], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
-    """Several int lists in one copy; returns one contiguous device view per list."""
-    lengths = [len(r) for r in rows]
+    """Several int lists in one copy; returns one contiguous device view per list, each starting
+    16-byte aligned (Triton specializes kernels on pointer alignment: a view whose alignment
+    followed the batch size would compile a second variant of a kernel mid-serving)."""
+    per = max(1, 16 // torch.empty((), dtype=dtype).element_size())
     flat: list[int] = []
+    starts: list[int] = []
     for r in rows:
+        starts.append(len(flat))
         flat.extend(r)
+        flat.extend([0] * (-len(flat) % per))
     packed = to_device(flat, dtype, device)
-    return list(packed.split(lengths))
+    return [packed[s : s + len(r)] for s, r in zip(starts, rows)]
