@@ -32,3 +32,29 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
+
+
+class ZeroCenteredRMSNorm(nn.Module):
+    """``(1 + w) * (x / rms(x))`` with the weight stored as an offset around 0 (Gemma / Qwen3-Next /
+    Qwen3.5 layer norms). Unlike :class:`RMSNorm` the weight multiply happens in float32 before the
+    cast back (transformers' ``Qwen3NextRMSNorm``). Same ``residual`` convention as :class:`RMSNorm`.
+    No ``fused`` attribute: the Triton ``rms_norm`` kernel computes plain ``w * x``."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+        self.eps = eps
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.float()
+        out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = out * (1.0 + self.weight.float())
+        return out.type_as(x)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x

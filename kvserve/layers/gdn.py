@@ -1,0 +1,149 @@
+"""Gated DeltaNet (GDN) token mixer of one linear-attention layer (Qwen3-Next, Qwen3.5/3.6).
+
+Per token: project to q|k|v (+ z, b, a), short causal depthwise conv over q|k|v with SiLU, L2-normalised
+q/k, gates ``g = -exp(A_log) * softplus(a + dt_bias)`` and ``beta = sigmoid(b)``, the gated delta
+rule over a per-value-head state ``S`` (K x V, float32), a plain gated RMSNorm ``w * norm(o) *
+silu(z)`` per value head, then ``out_proj``. Value head ``hv`` reads key head ``hv // (HV / H)``.
+
+Each sequence owns a state slot: the conv state (the last ``W - 1`` raw conv inputs, model dtype)
+and the SSM state (float32). The model runner binds one tensor of each per layer (``bind_state``);
+``forward`` reads a slot's state when ``meta.has_initial_state`` says the sequence has earlier
+tokens, else starts from zeros, and writes the final states back into the slot in place.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvserve.kernels import gdn_reference as gdn
+from kvserve.layers.attention import AttentionMetadata
+
+
+class GatedRMSNorm(nn.Module):
+    """``weight * norm(x) * silu(z)`` over the last dim (one value head); weight init ones."""
+
+    def __init__(self, size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        return gdn.gated_rms_norm(x, z, self.weight, self.eps)
+
+
+def _check(cfg: Any) -> None:
+    act = getattr(cfg, "hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ValueError(f"hidden_act {act!r} is not supported for Gated DeltaNet layers. Supported: ['silu']")
+    gate = getattr(cfg, "output_gate_type", None)
+    if gate not in (None, "swish", "silu"):
+        raise ValueError(f"output_gate_type {gate!r} is not supported. Supported: ['swish', 'silu']")
+    h, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    if hv % h:
+        raise ValueError(
+            f"linear_num_value_heads={hv} is not a multiple of linear_num_key_heads={h}: "
+            "grouped value heads need HV % H == 0"
+        )
+
+
+class GatedDeltaNet(nn.Module):
+    """The GDN mixer; parameter names follow the Hugging Face checkpoints (``linear_attn.*``).
+
+    ``grouped_layout``: Qwen3-Next's fused ``in_proj_qkvz`` / ``in_proj_ba`` (rows grouped per key
+    head: [q_g | k_g | v_g (r heads) | z_g (r heads)] and [b_g (r) | a_g (r)]); otherwise Qwen3.5's
+    separate ``in_proj_qkv`` ([q | k | v]), ``in_proj_z``, ``in_proj_b``, ``in_proj_a``."""
+
+    def __init__(self, cfg: Any, layer_idx: int, grouped_layout: bool) -> None:
+        super().__init__()
+        _check(cfg)
+        self.layer_idx = layer_idx
+        self.grouped_layout = grouped_layout
+        self.hidden_size = cfg.hidden_size
+        self.num_k_heads = cfg.linear_num_key_heads
+        self.num_v_heads = cfg.linear_num_value_heads
+        self.head_k_dim = cfg.linear_key_head_dim
+        self.head_v_dim = cfg.linear_value_head_dim
+        self.key_dim = self.num_k_heads * self.head_k_dim
+        self.value_dim = self.num_v_heads * self.head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv_kernel = cfg.linear_conv_kernel_dim
+        self.eps = cfg.rms_norm_eps
+        hidden = cfg.hidden_size
+        if grouped_layout:
+            self.in_proj_qkvz = nn.Linear(hidden, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+            self.in_proj_ba = nn.Linear(hidden, 2 * self.num_v_heads, bias=False)
+        else:
+            self.in_proj_qkv = nn.Linear(hidden, self.conv_dim, bias=False)
+            self.in_proj_z = nn.Linear(hidden, self.value_dim, bias=False)
+            self.in_proj_b = nn.Linear(hidden, self.num_v_heads, bias=False)
+            self.in_proj_a = nn.Linear(hidden, self.num_v_heads, bias=False)
+        # depthwise causal conv, stored like nn.Conv1d's weight: [conv_dim, 1, W]
+        self.conv1d = nn.Module()
+        self.conv1d.weight = nn.Parameter(torch.zeros(self.conv_dim, 1, self.conv_kernel))
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        self.norm = GatedRMSNorm(self.head_v_dim, self.eps)
+        self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
+        self.conv_state: torch.Tensor | None = None  # [num_slots, conv_dim, W - 1], bound by the runner
+        self.ssm_state: torch.Tensor | None = None  # [num_slots, HV, K, V] float32
+
+    def state_shapes(self) -> tuple[tuple[int, int], tuple[int, int, int]]:
+        """Per-sequence (conv state, SSM state) shapes: ((conv_dim, W - 1), (HV, K, V))."""
+        return (self.conv_dim, self.conv_kernel - 1), (self.num_v_heads, self.head_k_dim, self.head_v_dim)
+
+    def bind_state(self, conv_state: torch.Tensor, ssm_state: torch.Tensor) -> None:
+        conv_shape, ssm_shape = self.state_shapes()
+        assert tuple(conv_state.shape[1:]) == conv_shape, (tuple(conv_state.shape), conv_shape)
+        assert tuple(ssm_state.shape[1:]) == ssm_shape, (tuple(ssm_state.shape), ssm_shape)
+        assert conv_state.shape[0] == ssm_state.shape[0]
+        self.conv_state = conv_state
+        self.ssm_state = ssm_state
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> mixed q|k|v [T, conv_dim] (conv channel order), z [T, HV, V], b [T, HV], a [T, HV]."""
+        t = x.shape[0]
+        if not self.grouped_layout:
+            z = self.in_proj_z(x).view(t, self.num_v_heads, self.head_v_dim)
+            return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
+        r = self.num_v_heads // self.num_k_heads
+        k_dim, rv = self.head_k_dim, r * self.head_v_dim
+        qkvz = self.in_proj_qkvz(x).view(t, self.num_k_heads, 2 * k_dim + 2 * rv)
+        q, k, v, z = qkvz.split([k_dim, k_dim, rv, rv], dim=-1)
+        b, a = self.in_proj_ba(x).view(t, self.num_k_heads, 2 * r).split([r, r], dim=-1)
+        mixed = torch.cat((q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)), dim=-1)
+        z = z.reshape(t, self.num_v_heads, self.head_v_dim)
+        return mixed, z, b.reshape(t, self.num_v_heads), a.reshape(t, self.num_v_heads)
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """x: [T, hidden] (sequences contiguous, ``meta.query_lens`` tokens each) -> [T, hidden]."""
+        assert self.conv_state is not None and self.ssm_state is not None, "GDN state not bound"
+        assert meta.state_slots is not None and meta.has_initial_state is not None, "no state slots in metadata"
+        mixed, z, b, a = self._project(x)
+        g, beta = gdn.gdn_gates(self.A_log, a, self.dt_bias, b)
+        weight = self.conv1d.weight.squeeze(1)
+        out = torch.empty(x.shape[0], self.num_v_heads, self.head_v_dim, dtype=x.dtype, device=x.device)
+        start = 0
+        for n, slot, has_state in zip(meta.query_lens, meta.state_slots, meta.has_initial_state):
+            if n == 0:
+                continue
+            end = start + n
+            conv0 = self.conv_state[slot] if has_state else None
+            ssm0 = self.ssm_state[slot] if has_state else None
+            y, conv_new = gdn.causal_conv1d(mixed[start:end], weight, conv0)
+            q, k, v = y.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+            rule = gdn.recurrent_gated_delta_rule if n == 1 else gdn.chunk_gated_delta_rule
+            o, ssm_new = rule(
+                q.reshape(n, self.num_k_heads, self.head_k_dim),
+                k.reshape(n, self.num_k_heads, self.head_k_dim),
+                v.reshape(n, self.num_v_heads, self.head_v_dim),
+                g[start:end], beta[start:end], initial_state=ssm0, use_qk_l2norm=True,
+            )
+            out[start:end] = o
+            self.conv_state[slot].copy_(conv_new)
+            self.ssm_state[slot].copy_(ssm_new)
+            start = end
+        o = self.norm(out, z)
+        return self.out_proj(o.reshape(x.shape[0], self.value_dim))

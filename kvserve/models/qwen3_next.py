@@ -1,0 +1,389 @@
+"""Hybrid Gated-DeltaNet + gated full-attention decoders: Qwen3-Next, Qwen3.5 / 3.6 (dense and MoE).
+
+Layer ``i`` mixes tokens with a Gated DeltaNet (``linear_attn``, :mod:`kvserve.layers.gdn`) or with
+gated softmax attention over the paged KV cache (``self_attn``), per ``layer_types`` (else every
+``full_attention_interval``-th layer is full attention). Every layer norm, the final norm and
+q_norm/k_norm are zero-centred (``(1 + w)``). The FFN is a SwiGLU MLP or a sparse MoE block
+(softmax top-k router + experts + a sigmoid-gated shared expert).
+
+The ``*ForConditionalGeneration`` (image-text) checkpoints load as text-only causal LMs: the text
+config is ``text_config``, ``model.language_model.*`` becomes ``model.*``, and ``model.visual.*``
+(vision tower) and ``mtp.*`` (multi-token-prediction head) are skipped.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.layers.attention import Attention, AttentionMetadata
+from kvserve.layers.gdn import GatedDeltaNet
+from kvserve.layers.norm import ZeroCenteredRMSNorm
+from kvserve.layers.rotary import RotaryEmbedding, rope_parameters
+from kvserve.loader.weights import WeightLoader, WeightLoadError
+
+# architecture -> (GDN grouped in_proj_qkvz/in_proj_ba layout, FFN kind: "next" | "dense" | "moe")
+HYBRID_ARCHITECTURES: dict[str, tuple[bool, str]] = {
+    "Qwen3NextForCausalLM": (True, "next"),
+    "Qwen3_5ForCausalLM": (False, "dense"),
+    "Qwen3_5MoeForCausalLM": (False, "moe"),
+    "Qwen3_5ForConditionalGeneration": (False, "dense"),
+    "Qwen3_5MoeForConditionalGeneration": (False, "moe"),
+}
+
+_LAYER_TYPES = ("linear_attention", "full_attention")
+_SKIP_PREFIXES = ("mtp.", "model.visual.", "visual.", "model.mtp.")
+_RENAMES = (
+    ("model.language_model.", "model."),
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+)
+_EXPERT_RE = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def hf_to_kvserve_name(name: str) -> str | None:
+    """A checkpoint tensor name -> this model's name; ``None`` for tensors a text-only model skips
+    (vision tower, MTP head)."""
+    if name.startswith(_SKIP_PREFIXES):
+        return None
+    for old, new in _RENAMES:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
+
+
+def renamed_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Checkpoint tensors under this model's names (skipped ones dropped), so that the KV-scale
+    loader sees ``model.layers.N.self_attn.*`` also in image-text checkpoints."""
+    for name, tensor in weights:
+        mapped = hf_to_kvserve_name(name)
+        if mapped is not None:
+            yield mapped, tensor
+
+
+def text_config(hf_config: Any) -> Any:
+    """The language model's config (``text_config`` of an image-text config, else the config)."""
+    sub = getattr(hf_config, "text_config", None)
+    return sub if sub is not None else hf_config
+
+
+def layer_types(cfg: Any) -> list[str]:
+    """'linear_attention' / 'full_attention' per layer (``layer_types``, else every
+    ``full_attention_interval``-th layer, default 4, is full attention)."""
+    types = getattr(cfg, "layer_types", None)
+    n = cfg.num_hidden_layers
+    if types is None:
+        interval = getattr(cfg, "full_attention_interval", None) or 4
+        types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)]
+    types = list(types)
+    bad = sorted({t for t in types if t not in _LAYER_TYPES})
+    if bad:
+        raise ValueError(f"layer_types entries {bad} are not supported. Supported: {list(_LAYER_TYPES)}")
+    if len(types) < n:
+        raise ValueError(f"layer_types has {len(types)} entries for num_hidden_layers={n}")
+    return types[:n]
+
+
+def check_supported(cfg: Any, ffn: str) -> None:
+    """Refuse configs that kvserve would compute differently from transformers."""
+    act = getattr(cfg, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act {act!r} is not supported. Supported: ['silu']")
+    if getattr(cfg, "attn_output_gate", True) is False:
+        raise ValueError("attn_output_gate=False is not supported: kvserve's Qwen3-Next/3.5 attention is always gated")
+    if ffn == "next" and cfg.num_experts > 0 and getattr(cfg, "decoder_sparse_step", 1) < 1:
+        raise ValueError(f"decoder_sparse_step={cfg.decoder_sparse_step} is not supported (must be >= 1)")
+    if ffn in ("moe", "next") and getattr(cfg, "num_experts", 0) > 0:
+        if not 0 < cfg.num_experts_per_tok <= cfg.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok={cfg.num_experts_per_tok} is not in [1, num_experts={cfg.num_experts}]"
+            )
+        if getattr(cfg, "shared_expert_intermediate_size", 1) <= 0:
+            raise ValueError(
+                f"shared_expert_intermediate_size={cfg.shared_expert_intermediate_size} is not supported (must be > 0)"
+            )
+
+
+def _rotary(cfg: Any, head_size: int) -> RotaryEmbedding:
+    params = rope_parameters(cfg)
+    factor = params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None))
+    factor = 0.25 if factor is None else float(factor)  # the families' default (transformers __post_init__)
+    rot_dim = int(head_size * factor)
+    if rot_dim <= 0 or rot_dim % 2 or rot_dim > head_size:
+        raise ValueError(
+            f"partial_rotary_factor={factor} gives rotary dim {rot_dim} for head_dim={head_size}; "
+            "it must be even and in (0, head_dim]"
+        )
+    # M-RoPE (mrope_section / mrope_interleaved): text-only tokens have equal t/h/w positions, so it
+    # is plain 1-D RoPE on the same rotary slice.
+    return RotaryEmbedding(head_size, cfg.max_position_embeddings, params, rot_dim=rot_dim)
+
+
+class GatedAttentionBlock(nn.Module):
+    """q_proj gives per head [query | gate]; zero-centred q/k norms, partial NeoX RoPE, paged
+    attention, ``o_proj(attn * sigmoid(gate))``. q/k/v are fused into ``qkv_proj``."""
+
+    def __init__(self, cfg: Any, layer_idx: int, rope: RotaryEmbedding):
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_size = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_size
+        self.kv_size = self.num_kv_heads * self.head_size
+        bias = bool(getattr(cfg, "attention_bias", False))
+        self.qkv_proj = nn.Linear(cfg.hidden_size, 2 * self.q_size + 2 * self.kv_size, bias=bias)
+        self.qkv_proj.shard_sizes = [2 * self.q_size, self.kv_size, self.kv_size]
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=bias)
+        self.q_norm = ZeroCenteredRMSNorm(self.head_size, cfg.rms_norm_eps)
+        self.k_norm = ZeroCenteredRMSNorm(self.head_size, cfg.rms_norm_eps)
+        self.rotary_emb = rope
+        self.attn = Attention(self.num_heads, self.head_size, self.num_kv_heads, self.head_size**-0.5, layer_idx)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        qg, k, v = self.qkv_proj(x).split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, gate = qg.view(t, self.num_heads, 2 * self.head_size).chunk(2, dim=-1)
+        q = self.q_norm(q)
+        k = self.k_norm(k.view(t, self.num_kv_heads, self.head_size))
+        v = v.view(t, self.num_kv_heads, self.head_size)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q, k, v, meta)
+        return self.o_proj(out * torch.sigmoid(gate.reshape(t, self.q_size)))
+
+
+class SwiGLUMLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))``; gate/up fused into ``gate_up_proj``."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.intermediate = intermediate_size
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.gate_up_proj.shard_sizes = [intermediate_size, intermediate_size]
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.fused = False  # SiLU-and-mul in one Triton kernel (kernels/triton_layers.py), set by the runner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if self.fused:
+            from kvserve.kernels.triton_layers import silu_and_mul
+
+            return self.down_proj(silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Experts(nn.Module):
+    """Routed SwiGLU experts as 3-D tensors (transformers' layout): ``gate_up_proj`` [E, 2I, hidden]
+    (gate rows first), ``down_proj`` [E, hidden, I]. Per-expert checkpoint tensors are copied in."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.intermediate = intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.zeros(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.zeros(num_experts, hidden_size, intermediate_size))
+
+    def forward(self, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        # token rows per expert, experts in ascending order (transformers' summation order)
+        flat = top_idx.flatten()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        tokens, slots = order // top_idx.shape[1], order % top_idx.shape[1]
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            tok, pos = tokens[start : start + n], slots[start : start + n]
+            start += n
+            gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
+            h = F.linear(F.silu(gate) * up, self.down_proj[e]) * top_w[tok, pos, None]
+            out.index_add_(0, tok, h.to(out.dtype))
+        return out
+
+
+class SparseMoeBlock(nn.Module):
+    """Softmax (fp32) top-k router, optionally renormalised, routed experts + a shared expert
+    scaled by ``sigmoid(shared_expert_gate(x))``."""
+
+    def __init__(self, cfg: Any, norm_topk_prob: bool):
+        super().__init__()
+        self.top_k = cfg.num_experts_per_tok
+        self.norm_topk_prob = norm_topk_prob
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.shared_expert = SwiGLUMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shared = self.shared_expert(x)
+        logits = self.gate(x)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        top_w, top_idx = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+        routed = self.experts(x, top_idx, top_w.to(logits.dtype))
+        return routed + torch.sigmoid(self.shared_expert_gate(x)) * shared
+
+
+class HybridDecoderLayer(nn.Module):
+    def __init__(self, cfg: Any, layer_idx: int, kind: str, grouped: bool, ffn: str, rope: RotaryEmbedding):
+        super().__init__()
+        self.kind = kind
+        if kind == "linear_attention":
+            self.linear_attn = GatedDeltaNet(cfg, layer_idx, grouped)
+        else:
+            self.self_attn = GatedAttentionBlock(cfg, layer_idx, rope)
+        if ffn == "moe":
+            self.mlp: nn.Module = SparseMoeBlock(cfg, norm_topk_prob=True)  # Qwen3.5-MoE always renormalises
+        elif ffn == "next" and (
+            layer_idx not in (getattr(cfg, "mlp_only_layers", None) or [])
+            and cfg.num_experts > 0
+            and (layer_idx + 1) % getattr(cfg, "decoder_sparse_step", 1) == 0
+        ):
+            self.mlp = SparseMoeBlock(cfg, norm_topk_prob=bool(getattr(cfg, "norm_topk_prob", True)))
+        else:
+            self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        if self.kind == "linear_attention":
+            x = self.linear_attn(x, meta)
+        else:
+            x = self.self_attn(positions, x, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class HybridModel(nn.Module):
+    def __init__(self, cfg: Any, grouped: bool, ffn: str):
+        super().__init__()
+        types = layer_types(cfg)
+        head_size = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        rope = _rotary(cfg, head_size)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            HybridDecoderLayer(cfg, i, types[i], grouped, ffn, rope) for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class Qwen3NextForCausalLM(nn.Module):
+    """Hybrid GDN decoder + LM head for every architecture in ``HYBRID_ARCHITECTURES``; weights load
+    by Hugging Face name (q/k/v and dense gate/up fused; per-expert or 3-D fused expert tensors)."""
+
+    is_hybrid = True
+    stacked_params = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, hf_config: Any, architecture: str = "Qwen3NextForCausalLM"):
+        super().__init__()
+        if architecture not in HYBRID_ARCHITECTURES:
+            raise ValueError(
+                f"Architecture {architecture!r} is not a hybrid GDN model. Supported: {list(HYBRID_ARCHITECTURES)}"
+            )
+        grouped, ffn = HYBRID_ARCHITECTURES[architecture]
+        cfg = text_config(hf_config)
+        check_supported(cfg, ffn)
+        self.architecture = architecture
+        self.config = cfg
+        self.model = HybridModel(cfg, grouped, ffn)
+        # transformers ties an image-text model by its top-level config. Given only the text config of
+        # such a checkpoint, kvserve keeps lm_head and ties iff the checkpoint has no lm_head.weight
+        # (transformers drops tied weights when saving).
+        wrapper = architecture.endswith("ForConditionalGeneration") and hf_config is cfg
+        self._tie_if_absent = wrapper
+        self.tie_word_embeddings = not wrapper and bool(getattr(hf_config, "tie_word_embeddings", False))
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def attention_layers(self) -> list[Attention]:
+        """The paged-KV attention of the full-attention layers, in layer order."""
+        return [layer.self_attn.attn for layer in self.model.layers if layer.kind == "full_attention"]
+
+    def gdn_layers(self) -> list[GatedDeltaNet]:
+        """The Gated DeltaNet mixers, in layer order."""
+        return [layer.linear_attn for layer in self.model.layers if layer.kind == "linear_attention"]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        return F.linear(hidden, weight)
+
+    def _load_expert(self, loader: WeightLoader, m: re.Match, tensor: torch.Tensor, seen: dict) -> None:
+        prefix, e, kind = m.group(1), int(m.group(2)), m.group(3)
+        pname = f"{prefix}.{'down_proj' if kind == 'down_proj' else 'gate_up_proj'}"
+        param = loader.params.get(pname)
+        name = m.group(0)
+        if param is None or e >= param.shape[0]:
+            loader.unexpected.append(name)
+            return
+        dest = param.data[e]
+        if kind != "down_proj":
+            inter = dest.shape[0] // 2
+            dest = dest.narrow(0, 0 if kind == "gate_proj" else inter, inter)
+        if tuple(tensor.shape) != tuple(dest.shape):
+            loader.misshaped.append(
+                f"{name}: checkpoint shape {tuple(tensor.shape)}, model expects {tuple(dest.shape)}"
+            )
+            return
+        dest.copy_(tensor.to(dest.dtype))
+        seen.setdefault(prefix, set()).add((e, kind))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        loader = WeightLoader(self, self.stacked_params)
+        seen: dict[str, set[tuple[int, str]]] = {}
+        for raw_name, tensor in weights:
+            name = hf_to_kvserve_name(raw_name)
+            if name is None or name.endswith("rotary_emb.inv_freq"):
+                continue
+            if self.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            m = _EXPERT_RE.match(name)
+            if m:
+                self._load_expert(loader, m, tensor, seen)
+                continue
+            loader.load(name, tensor)
+        absent: list[str] = []
+        for prefix, got in seen.items():
+            num = loader.params[f"{prefix}.down_proj"].shape[0]
+            for kinds, pname in ((("gate_proj", "up_proj"), "gate_up_proj"), (("down_proj",), "down_proj")):
+                want = {(e, k) for e in range(num) for k in kinds}
+                if want <= got:
+                    loader.loaded.add((f"{prefix}.{pname}", -1))
+                else:
+                    absent += [f"{prefix}.{e}.{k}.weight" for e, k in sorted(want - got)]
+        if self._tie_if_absent and not any(t == "lm_head.weight" for t, _ in loader.loaded):
+            del self.lm_head
+            del loader.params["lm_head.weight"]
+            self.tie_word_embeddings = True
+        if absent:
+            raise WeightLoadError(
+                f"Checkpoint does not match {type(self).__name__}: missing expert tensors: {absent[:10]}"
+            )
+        loader.finish()
