@@ -199,6 +199,12 @@ def cudagraph_capture_sizes(max_num_seqs: int, max_capture_size: int | None = No
     return sorted(sizes)
 
 
+def is_hybrid_config(hf_config: Any) -> bool:
+    """Whether the (text) config has Gated DeltaNet layers next to full attention (Qwen3-Next,
+    Qwen3.5/3.6): their recurrent state lives in a slot pool, not in KV pages."""
+    return getattr(hf_config, "linear_num_value_heads", None) is not None
+
+
 def _derive_max_model_len(hf_config: Any, requested: int | None) -> int:
     derived = None
     for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
@@ -292,6 +298,13 @@ class EngineArgs:
             raw = json.load(f)
         architecture = resolve_architecture(raw.get("architectures") or [])
         hf_config = AutoConfig.from_pretrained(str(path))
+        if getattr(hf_config, "text_config", None) is not None:
+            # multimodal wrappers (Qwen3.5 *ForConditionalGeneration): kvserve serves the text model
+            text_config = hf_config.get_text_config()
+            if getattr(text_config, "dtype", None) is None:
+                text_config.dtype = getattr(hf_config, "dtype", None)
+            hf_config = text_config
+        hybrid = is_hybrid_config(hf_config)
 
         if self.device == "auto":
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -337,6 +350,16 @@ class EngineArgs:
                 "max_num_batched_tokens or decrease max_model_len."
             )
 
+        enable_prefix_caching, enforce_eager = self.enable_prefix_caching, self.enforce_eager
+        if hybrid and enable_prefix_caching:
+            logger.info(
+                "Prefix caching is disabled for hybrid models (Gated DeltaNet layers): a cached attention "
+                "prefix has no matching recurrent state."
+            )
+            enable_prefix_caching = False
+        if hybrid and device.type == "cuda" and not enforce_eager:
+            logger.info("CUDA graphs are off for hybrid models: their GDN layers run the torch reference for now.")
+            enforce_eager = True
         kv_bytes = _cpu_kv_cache_bytes(self.kv_cache_memory) if device.type == "cpu" else self.kv_cache_memory
         return EngineConfig(
             model_config=ModelConfig(
@@ -356,7 +379,7 @@ class EngineArgs:
                 kv_quant=kv_quant,
                 kv_cache_memory=kv_bytes,
                 gpu_memory_utilization=self.gpu_memory_utilization,
-                enable_prefix_caching=self.enable_prefix_caching,
+                enable_prefix_caching=enable_prefix_caching,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
             ),
             scheduler_config=SchedulerConfig(
@@ -370,7 +393,7 @@ class EngineArgs:
             tokenizer=None if self.skip_tokenizer_init else (self.tokenizer or str(path)),
             runner_config=RunnerConfig(
                 attention_backend=backend,
-                enforce_eager=self.enforce_eager or device.type != "cuda" or backend != "triton",
+                enforce_eager=enforce_eager or device.type != "cuda" or backend != "triton",
                 cudagraph_capture_sizes=cudagraph_capture_sizes(max_num_seqs, self.max_cudagraph_capture_size),
             ),
         )

@@ -93,7 +93,39 @@ def _tiny_config(arch: str, **overrides):
     if arch == "qwen3":
         common.setdefault("head_dim", 32)
         return Qwen3Config(**common)
+    if arch in HYBRID_ARCHS:
+        return _tiny_hybrid_config(arch, common)
     raise ValueError(arch)
+
+
+HYBRID_ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+
+
+def _tiny_hybrid_config(arch: str, common: dict):
+    """Gated DeltaNet + gated attention: 4 layers mixing both kinds, grouped value heads (2 key /
+    4 value heads), partial rotary, and for the MoE kinds 4 experts top-2 with a shared expert."""
+    from transformers import Qwen3NextConfig
+    from transformers.models.qwen3_5 import Qwen3_5TextConfig
+    from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
+
+    hybrid = dict(
+        head_dim=32,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        num_hidden_layers=4,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+    )
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+    cfg = {**common, **hybrid}
+    if arch == "qwen3_next":
+        return Qwen3NextConfig(**cfg, **moe, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
+    if arch == "qwen3_5":
+        return Qwen3_5TextConfig(**cfg)
+    return Qwen3_5MoeTextConfig(**cfg, **moe)
 
 
 @pytest.fixture(scope="session")

@@ -31,6 +31,10 @@ class AttentionMetadata:
     max_query_len: int = 0
     max_seq_len: int = 0
     num_splits: int | None = None  # split-KV parts (None: chosen per batch; fixed in CUDA graphs)
+    # hybrid models (Gated DeltaNet layers): each sequence's recurrent-state slot and whether its
+    # state holds earlier tokens (num_computed_tokens > 0) or starts from zeros
+    state_slots: list[int] | None = None
+    has_initial_state: list[bool] | None = None
     _plan: reference.AttentionPlan | None = None
 
     @property

@@ -81,3 +81,16 @@ def log_plan(
     logger.info(
         "Maximum concurrency for %s tokens per request: %.2fx", f"{max_model_len:,}", tokens / max_model_len
     )
+
+
+def log_state_pool(specs: list, num_slots: int, device: torch.device) -> None:
+    """The recurrent-state pool of a hybrid model (``runner/state_pool.py``), next to the KV log."""
+    per_seq = sum(spec.bytes_per_sequence for spec in specs)
+    conv_shapes = sorted({spec.conv_shape for spec in specs})
+    ssm_shapes = sorted({spec.ssm_shape for spec in specs})
+    logger.info(
+        "Recurrent state (%s): %d GDN layers, conv %s + SSM %s float32 per layer -> %.2f MiB per sequence, "
+        "%d slots (max_num_seqs) = %.2f GiB",
+        "GPU" if device.type == "cuda" else "CPU", len(specs), conv_shapes, ssm_shapes, per_seq / (1 << 20),
+        num_slots, num_slots * per_seq / (1 << 30),
+    )

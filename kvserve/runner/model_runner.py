@@ -21,6 +21,7 @@ from kvserve.runner import memory
 from kvserve.runner.block_table import BlockTable
 from kvserve.runner.cuda_graphs import DecodeGraphs
 from kvserve.runner.sampler import Sampler, SampleResult, SamplingRow, gather_logprobs
+from kvserve.runner.state_pool import StatePool, StateSpec
 from kvserve.runner.transfer import rows_to_device, to_device
 from kvserve.runner.warmup import warm_up_kernels
 
@@ -79,7 +80,12 @@ class ModelRunner:
         if mc.load_format == "dummy":
             init_dummy_weights(self.model, mc.seed)
         else:
-            self.model.load_weights(scales.filter(iterate_weights(mc.model)))
+            weights = iterate_weights(mc.model)
+            if getattr(self.model, "is_hybrid", False):
+                from kvserve.models.qwen3_next import renamed_weights
+
+                weights = renamed_weights(weights)  # image-text checkpoints' prefixes, before the scales
+            self.model.load_weights(scales.filter(weights))
         scales.finish(self.kv_dtype)
         self.model.eval()
         logger.info(
@@ -94,8 +100,17 @@ class ModelRunner:
             head_size=mc.head_size,
             dtype=memory.kv_cache_torch_dtype(cc, mc),
         )
+        # hybrid models: the GDN layers' recurrent state, one slot per running sequence, in its own pool
+        self.gdn_layers = list(self.model.gdn_layers()) if getattr(self.model, "is_hybrid", False) else []
+        num_slots = config.scheduler_config.max_num_seqs
+        state_specs = [
+            StateSpec(*layer.state_shapes(), conv_bytes_per_elem=torch.empty((), dtype=mc.dtype).element_size())
+            for layer in self.gdn_layers
+        ]
+        state_bytes = num_slots * sum(spec.bytes_per_sequence for spec in state_specs)
         if self.device.type == "cuda" and cc.kv_cache_memory is None:
             budget = memory.gpu_kv_budget(cc.gpu_memory_utilization, self._profile_peak_bytes(), self.device)
+            budget -= state_bytes
         else:
             budget = int(cc.kv_cache_memory or 0)
         cc.num_blocks = memory.plan_num_blocks(self.kv_spec, budget, mc.max_model_len, cc.num_gpu_blocks_override)
@@ -120,6 +135,17 @@ class ModelRunner:
             )
             layer.bind_kv_cache(cache, self.kv_dtype, self.backend)
             self.kv_caches.append(cache)
+
+        self.state_pool: StatePool | None = None
+        if self.gdn_layers:
+            self.state_pool = StatePool(num_slots)
+            for layer in self.gdn_layers:
+                conv_shape, ssm_shape = layer.state_shapes()
+                layer.bind_state(
+                    torch.zeros((num_slots, *conv_shape), dtype=mc.dtype, device=self.device),
+                    torch.zeros((num_slots, *ssm_shape), dtype=torch.float32, device=self.device),
+                )
+            memory.log_state_pool(state_specs, num_slots, self.device)
 
         # one fused Triton kernel for temperature-only batches on CUDA (torch's ops elsewhere)
         self.sampler = Sampler(fused=self.device.type == "cuda")
@@ -152,6 +178,8 @@ class ModelRunner:
         self.generators.pop(request_id, None)
         if self.block_table is not None:
             self.block_table.remove(request_id)
+        if self.state_pool is not None:
+            self.state_pool.free(request_id)
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:
@@ -173,6 +201,9 @@ class ModelRunner:
         if self.block_table is not None:
             for req in sched.preempted:  # its blocks are gone; it gets a row again when rescheduled
                 self.block_table.remove(req.request_id)
+        if self.state_pool is not None:
+            for req in sched.preempted:  # its state is rebuilt by recompute when it is rescheduled
+                self.state_pool.free(req.request_id)
         if not triton:
             max_blocks = max(len(s.block_ids) for s in sched.scheduled)
             tables = np.zeros((len(sched.scheduled), max_blocks), dtype=np.int64)
@@ -215,6 +246,8 @@ class ModelRunner:
             seq_lens=seq_lens,
             block_size=bs,
         )
+        if self.state_pool is not None:
+            meta.state_slots, meta.has_initial_state = self._state_rows(sched)
         if triton:
             qsl = [0] + list(itertools.accumulate(query_lens))
             meta.query_start_loc, meta.seq_lens_t = rows_to_device((qsl, seq_lens), torch.int32, dev)
@@ -231,6 +264,21 @@ class ModelRunner:
             dst, src = rows_to_device((pending_dst, pending_src), torch.long, dev)
             input_ids[dst] = self._prev_tokens[src]
         return input_ids, pos_t, meta, logits_idx
+
+    def _state_rows(self, sched: SchedulerOutput) -> tuple[list[int], list[bool]]:
+        """Each scheduled sequence's state slot, and whether its state holds earlier tokens."""
+        assert self.state_pool is not None
+        slots, has_state = [], []
+        for s in sched.scheduled:
+            rid = s.request.request_id
+            if s.num_computed_tokens > 0 and not self.state_pool.holds(rid):
+                raise RuntimeError(
+                    f"request {rid!r} resumes at token {s.num_computed_tokens} without a recurrent state "
+                    "(prefix caching must be off for hybrid models)"
+                )
+            slots.append(self.state_pool.slot(rid))
+            has_state.append(s.num_computed_tokens > 0)
+        return slots, has_state
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> tuple[dict[str, SampleResult], dict[str, PromptLogprobRows]]:

@@ -59,6 +59,9 @@ def _batch(runner: "ModelRunner", query_lens: list[int], num_splits: int | None)
         max_seq_len=max(query_lens),
         num_splits=num_splits,
     )
+    if runner.state_pool is not None:  # hybrid models: fresh states (the slots are rewritten at each start)
+        meta.state_slots = [i % runner.state_pool.num_slots for i in range(len(query_lens))]
+        meta.has_initial_state = [False] * len(query_lens)
     return torch.zeros(n, dtype=torch.long, device=dev), positions, meta
 
 

@@ -1,0 +1,169 @@
+"""Hybrid models (Gated DeltaNet + gated attention: Qwen3-Next, Qwen3.5, Qwen3.5-MoE) in the engine:
+greedy tokens and their logprobs equal transformers' (float32) through chunked prefill at odd
+boundaries, concurrent requests of different lengths and preemption; the recurrent-state pool never
+leaks and never lets one request read another's state; prefix caching is off for them."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import HYBRID_ARCHS
+from kvserve import LLM, SamplingParams
+from kvserve.runner.state_pool import StatePool
+from triton_support import skip_without_triton_device
+
+PROMPT_LENS = (5, 17, 9, 30)
+MAX_TOKENS = (12, 6, 9, 7)
+
+
+def _prompts(seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 500, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+
+
+def _hf_greedy(folder, prompts: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
+    """transformers' greedy tokens and the chosen tokens' logprobs, one prompt at a time."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tokens, lps = [], []
+    for ids, n in zip(prompts, MAX_TOKENS):
+        with torch.no_grad():
+            out = model.generate(
+                torch.tensor([ids]), max_new_tokens=n, do_sample=False, output_scores=True,
+                return_dict_in_generate=True, pad_token_id=0, eos_token_id=None,
+            )
+        new = out.sequences[0, len(ids):].tolist()
+        tokens.append(new)
+        lps.append([torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.scores, new)])
+    return tokens, lps
+
+
+def _kvserve(folder, prompts, **kw) -> tuple[list[list[int]], list[list[float]], LLM]:
+    args = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=13, kv_cache_memory=1 << 22, seed=0)
+    args.update(kw)
+    llm = LLM(str(folder), **args)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=0) for n in MAX_TOKENS]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    lps = [[d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs]
+    return tokens, lps, llm
+
+
+def _check_idle(llm: LLM) -> None:
+    engine = llm.llm_engine
+    engine.kv_manager.check_invariants()
+    pool = engine.runner.state_pool
+    assert pool is not None
+    pool.check_invariants()
+    assert pool.num_free == pool.num_slots, "a finished request kept its recurrent-state slot"
+
+
+@pytest.mark.parametrize("arch", HYBRID_ARCHS)
+def test_hybrid_greedy_tokens_and_logprobs_equal_transformers(make_tiny_model, arch, one_thread):
+    """Four concurrent prompts of 5-30 tokens, prefill chunks of at most 13 tokens (so chunks end
+    at odd offsets inside prompts and share steps with decodes): transformers' tokens exactly,
+    logprobs within 1e-4."""
+    folder = make_tiny_model(arch)
+    prompts = _prompts()
+    ref_tokens, ref_lps = _hf_greedy(folder, prompts)
+    tokens, lps, llm = _kvserve(folder, prompts)
+    assert tokens == ref_tokens
+    assert len({tuple(t) for t in ref_tokens}) == len(ref_tokens)  # distinct: the check can fail
+    for got, want in zip(lps, ref_lps):
+        assert got == pytest.approx(want, abs=1e-4)
+    _check_idle(llm)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5"])
+def test_hybrid_survives_preemption_and_requests_are_isolated(make_tiny_model, arch, one_thread):
+    """A KV pool too small for all four requests preempts and recomputes (the recurrent state is
+    rebuilt from the prompt); each request's tokens equal its solo run, and no slot leaks."""
+    folder = make_tiny_model(arch)
+    prompts = _prompts(1)
+    solo = []
+    for i, p in enumerate(prompts):
+        llm = LLM(str(folder), dtype="float32", max_num_seqs=1, max_num_batched_tokens=13, kv_cache_memory=1 << 22)
+        out = llm.generate([{"prompt_token_ids": p}], SamplingParams(temperature=0, max_tokens=MAX_TOKENS[i], ignore_eos=True),
+                           use_tqdm=False)
+        solo.append(list(out[0].outputs[0].token_ids))
+    tokens, _, llm = _kvserve(folder, prompts, num_gpu_blocks_override=5, max_model_len=48)
+    assert llm.llm_engine.scheduler.num_preemptions > 0, "the pool was meant to force preemption"
+    assert tokens == solo
+    _check_idle(llm)
+
+
+def test_hybrid_models_turn_prefix_caching_off(make_tiny_model, caplog):
+    folder = make_tiny_model("qwen3_5")
+    with caplog.at_level(logging.INFO):
+        llm = LLM(str(folder), dtype="float32", max_num_seqs=2, kv_cache_memory=1 << 22)
+    assert llm.llm_engine.config.cache_config.enable_prefix_caching is False
+    assert "Prefix caching is disabled for hybrid models" in caplog.text
+    assert "Recurrent state (CPU): 2 GDN layers" in caplog.text
+    assert len(llm.llm_engine.runner.kv_caches) == 2  # pages for the two full-attention layers only
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 7)), max_size=80))
+def test_state_pool_never_leaks_or_shares(ops):
+    """Random take / give-back sequences: a slot is never held by two requests, none is lost."""
+    pool = StatePool(4)
+    held: dict[str, int] = {}
+    for take, rid in ops:
+        name = f"r{rid}"
+        if take and (name in held or len(held) < 4):
+            slot = pool.slot(name)
+            assert held.setdefault(name, slot) == slot
+        elif not take:
+            pool.free(name)
+            held.pop(name, None)
+        pool.check_invariants()
+        assert len(set(held.values())) == len(held)
+    for name in list(held):
+        pool.free(name)
+    assert pool.num_free == 4
+    with pytest.raises(RuntimeError, match="no free recurrent-state slot"):
+        for i in range(5):
+            pool.slot(f"x{i}")
+
+
+@skip_without_triton_device()
+@pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
+def test_hybrid_triton_backend_gives_the_reference_tokens(make_tiny_model, kv, one_thread):
+    """Attention layers through the Triton store + unified kernel (GDN layers: the torch reference),
+    float and fp8 pages: the reference backend's tokens, chunked prefill and concurrency included."""
+    folder = make_tiny_model("qwen3_5")
+    prompts = _prompts(2)
+    ref, _, _ = _kvserve(folder, prompts, attention_backend="reference", kv_cache_dtype=kv)
+    got, _, llm = _kvserve(folder, prompts, attention_backend="triton", kv_cache_dtype=kv)
+    assert got == ref
+    if kv == "fp8_e4m3":
+        assert all(c.dtype == torch.uint8 for c in llm.llm_engine.runner.kv_caches)
+    _check_idle(llm)
+
+
+def test_hybrid_kv_scales_load_from_image_text_checkpoint_names(make_tiny_model, tmp_path):
+    """k/v scales saved under the image-text prefix (``model.language_model.layers.N.self_attn``)
+    reach the attention layer N of the text model with an fp8 cache."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "with_scales"
+    shutil.copytree(make_tiny_model("qwen3_5"), folder)
+    save_file({"model.language_model.layers.1.self_attn.k_scale": torch.tensor(0.5),
+               "model.language_model.layers.1.self_attn.v_scale": torch.tensor(0.25)}, folder / "scales.safetensors")
+    (folder / "hf_quant_config.json").write_text(json.dumps(
+        {"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}}))
+    llm = LLM(str(folder), dtype="float32", max_num_seqs=2, kv_cache_memory=1 << 22)  # auto -> fp8_e4m3
+    assert llm.llm_engine.config.cache_config.cache_dtype == "fp8_e4m3"
+    layers = llm.llm_engine.runner.model.attention_layers()
+    assert [a.layer_idx for a in layers] == [1, 3]
+    assert (layers[0].k_scale, layers[0].v_scale) == (0.5, 0.25)
+    assert (layers[1].k_scale, layers[1].v_scale) == (1.0, 1.0)
