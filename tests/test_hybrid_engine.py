@@ -167,3 +167,19 @@ def test_hybrid_kv_scales_load_from_image_text_checkpoint_names(make_tiny_model,
     assert [a.layer_idx for a in layers] == [1, 3]
     assert (layers[0].k_scale, layers[0].v_scale) == (0.5, 0.25)
     assert (layers[1].k_scale, layers[1].v_scale) == (1.0, 1.0)
+
+
+def test_traffic_counts_the_state_the_engine_allocates(make_tiny_model):
+    """``kvserve traffic``'s recurrent-state bytes per sequence and KV bytes per token are what the
+    engine allocates for the same checkpoint (served in bf16)."""
+    from kvserve.tools.traffic import model_shape
+
+    folder = make_tiny_model("qwen3_next")
+    llm = LLM(str(folder), dtype="bfloat16", max_num_seqs=3, kv_cache_memory=1 << 22)
+    runner = llm.llm_engine.runner
+    per_seq = sum((layer.conv_state[0].numel() * layer.conv_state.element_size()
+                   + layer.ssm_state[0].numel() * layer.ssm_state.element_size()) for layer in runner.gdn_layers)
+    shape = model_shape(str(folder))
+    assert shape.state_bytes == per_seq
+    page = runner.kv_caches[0]
+    assert shape.kv_bytes_per_token(page.element_size()) == sum(c[0].numel() * c.element_size() for c in runner.kv_caches) // page.shape[2]

@@ -150,7 +150,7 @@ def test_hybrid_config_json_folder_and_path(tmp_path):
     assert (s.num_layers, s.num_attention_layers, s.num_kv_heads, s.head_dim) == (6, 2, 2, 32)
     assert s.kv_bytes_per_token(1) == 2 * 2 * 32 * 2
     conv = 2 * 2 * 16 + 4 * 16
-    assert s.state_bytes == 4 * (conv * 3 * 2 + 4 * 16 * 16 * 2)  # no mamba_ssm_dtype: state in bf16
+    assert s.state_bytes == 4 * (conv * 3 * 2 + 4 * 16 * 16 * 4)  # conv state bf16, SSM state fp32 (as kvserve keeps it)
     # without layer_types, full_attention_interval 3 puts full attention at layers 2 and 5
     cfg.pop("layer_types")
     cfg["full_attention_interval"] = 3

@@ -125,7 +125,7 @@ def shape_from_config(cfg: dict[str, Any], name: str = "config", weight_bytes: i
         K = _need(t, "linear_conv_kernel_dim")
         conv = 2 * nk * dk + nv * dv
         lin = h * (conv + nv * dv + 2 * nv) + conv * K + 2 * nv + dv + nv * dv * h
-        ssm_bytes = 4 if t.get("mamba_ssm_dtype", "") == "float32" else wb
+        ssm_bytes = 4  # kvserve keeps the SSM state in float32 (runner/state_pool.py), as vLLM advises for all of them
         state = conv * (K - 1) * wb + nv * dk * dv * ssm_bytes
     E = t.get("num_experts") or t.get("num_local_experts") or 0
     dense = 3 * h * t.get("intermediate_size", 0)
