@@ -183,3 +183,33 @@ def test_traffic_counts_the_state_the_engine_allocates(make_tiny_model):
     assert shape.state_bytes == per_seq
     page = runner.kv_caches[0]
     assert shape.kv_bytes_per_token(page.element_size()) == sum(c[0].numel() * c.element_size() for c in runner.kv_caches) // page.shape[2]
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("arch,path", [("qwen3_5", "chunked"), ("qwen3_next", "preempted")])
+def test_hybrid_fp8_cache_matches_fake_quant_oracle(make_tiny_model, arch, path, fmt, one_thread):
+    """fp8 attention pages on a hybrid model vs transformers with K/V fake-quantized when written
+    (the fp8 issue's Oracle C; GDN layers untouched): the sampled tokens' logprobs within 2e-3,
+    while plain fp32 attention differs by more than 5x that (the check discriminates)."""
+    from test_fp8_engine import ATOL, _check, fake_quant_logprobs
+
+    folder = make_tiny_model(arch, seed=4)
+    scales = [1.0] * 4  # per model layer; only the full-attention layers (1, 3) write K/V
+    kw: dict = dict(max_num_batched_tokens=7, max_num_seqs=2) if path == "chunked" else \
+        dict(num_gpu_blocks_override=5, max_model_len=48, max_num_seqs=4, max_num_batched_tokens=13)
+    llm = LLM(str(folder), dtype="float32", kv_cache_dtype=fmt, kv_cache_memory=1 << 22, **kw)
+    assert all(c.dtype == torch.uint8 for c in llm.llm_engine.runner.kv_caches)
+    prompts = _prompts(3)[: 2 if path == "chunked" else 4]
+    params = SamplingParams(temperature=0.0, max_tokens=10, logprobs=3, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    if path == "preempted":
+        assert llm.llm_engine.scheduler.num_preemptions > 0
+    worst_plain = 0.0
+    for out in outs:
+        ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+        n = len(out.prompt_token_ids)
+        oracle = fake_quant_logprobs(folder, ids, fmt, scales, scales, n)
+        plain = fake_quant_logprobs(folder, ids, "none", scales, scales, n)
+        worst_plain = max(worst_plain, _check(out, oracle, plain))
+    assert worst_plain > 5 * ATOL, f"fp8 and fp32 attention are indistinguishable here ({worst_plain})"
+    _check_idle(llm)
