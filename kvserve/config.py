@@ -358,7 +358,7 @@ class EngineArgs:
             )
             enable_prefix_caching = False
         if hybrid and device.type == "cuda" and not enforce_eager:
-            logger.info("CUDA graphs are off for hybrid models: their GDN layers run the torch reference for now.")
+            logger.info("CUDA graphs are off for hybrid models: the decode graphs do not hold recurrent-state slots yet.")
             enforce_eager = True
         kv_bytes = _cpu_kv_cache_bytes(self.kv_cache_memory) if device.type == "cpu" else self.kv_cache_memory
         return EngineConfig(

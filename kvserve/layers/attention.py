@@ -35,6 +35,8 @@ class AttentionMetadata:
     # state holds earlier tokens (num_computed_tokens > 0) or starts from zeros
     state_slots: list[int] | None = None
     has_initial_state: list[bool] | None = None
+    state_slots_t: torch.Tensor | None = None  # the same as int32 device tensors (triton backend)
+    has_initial_state_t: torch.Tensor | None = None
     _plan: reference.AttentionPlan | None = None
 
     @property

@@ -89,18 +89,22 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
         self.conv_state: torch.Tensor | None = None  # [num_slots, conv_dim, W - 1], bound by the runner
         self.ssm_state: torch.Tensor | None = None  # [num_slots, HV, K, V] float32
+        self.backend = "reference"
 
     def state_shapes(self) -> tuple[tuple[int, int], tuple[int, int, int]]:
         """Per-sequence (conv state, SSM state) shapes: ((conv_dim, W - 1), (HV, K, V))."""
         return (self.conv_dim, self.conv_kernel - 1), (self.num_v_heads, self.head_k_dim, self.head_v_dim)
 
-    def bind_state(self, conv_state: torch.Tensor, ssm_state: torch.Tensor) -> None:
+    def bind_state(self, conv_state: torch.Tensor, ssm_state: torch.Tensor, backend: str = "reference") -> None:
+        """Attach the state pool rows of this layer; ``backend`` "triton" runs the step's conv and
+        delta rule as two Triton launches over all its sequences (kernels/triton_gdn.py)."""
         conv_shape, ssm_shape = self.state_shapes()
         assert tuple(conv_state.shape[1:]) == conv_shape, (tuple(conv_state.shape), conv_shape)
         assert tuple(ssm_state.shape[1:]) == ssm_shape, (tuple(ssm_state.shape), ssm_shape)
         assert conv_state.shape[0] == ssm_state.shape[0]
         self.conv_state = conv_state
         self.ssm_state = ssm_state
+        self.backend = backend
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> mixed q|k|v [T, conv_dim] (conv channel order), z [T, HV, V], b [T, HV], a [T, HV]."""
@@ -117,6 +121,22 @@ class GatedDeltaNet(nn.Module):
         z = z.reshape(t, self.num_v_heads, self.head_v_dim)
         return mixed, z, b.reshape(t, self.num_v_heads), a.reshape(t, self.num_v_heads)
 
+    def _forward_triton(
+        self, mixed: torch.Tensor, weight: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """All sequences of the step in two launches: conv, then the delta rule (states in place)."""
+        from kvserve.kernels import triton_gdn
+
+        qsl, slots, has = meta.query_start_loc, meta.state_slots_t, meta.has_initial_state_t
+        assert qsl is not None and slots is not None and has is not None, "triton GDN needs device metadata"
+        y = triton_gdn.causal_conv1d_varlen(mixed, weight, self.conv_state, qsl, slots, has)
+        t = y.shape[0]
+        q, k, v = y.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        return triton_gdn.gated_delta_rule_varlen(
+            q.view(t, self.num_k_heads, self.head_k_dim), k.view(t, self.num_k_heads, self.head_k_dim),
+            v.view(t, self.num_v_heads, self.head_v_dim), g, beta, self.ssm_state, qsl, slots, has,
+        )
+
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """x: [T, hidden] (sequences contiguous, ``meta.query_lens`` tokens each) -> [T, hidden]."""
         assert self.conv_state is not None and self.ssm_state is not None, "GDN state not bound"
@@ -124,6 +144,9 @@ class GatedDeltaNet(nn.Module):
         mixed, z, b, a = self._project(x)
         g, beta = gdn.gdn_gates(self.A_log, a, self.dt_bias, b)
         weight = self.conv1d.weight.squeeze(1)
+        if self.backend == "triton":
+            out = self._forward_triton(mixed, weight, g, beta, meta)
+            return self.out_proj(self.norm(out, z).reshape(x.shape[0], self.value_dim))
         out = torch.empty(x.shape[0], self.num_v_heads, self.head_v_dim, dtype=x.dtype, device=x.device)
         start = 0
         for n, slot, has_state in zip(meta.query_lens, meta.state_slots, meta.has_initial_state):

@@ -144,6 +144,7 @@ class ModelRunner:
                 layer.bind_state(
                     torch.zeros((num_slots, *conv_shape), dtype=mc.dtype, device=self.device),
                     torch.zeros((num_slots, *ssm_shape), dtype=torch.float32, device=self.device),
+                    self.backend,
                 )
             memory.log_state_pool(state_specs, num_slots, self.device)
 
@@ -250,7 +251,13 @@ class ModelRunner:
             meta.state_slots, meta.has_initial_state = self._state_rows(sched)
         if triton:
             qsl = [0] + list(itertools.accumulate(query_lens))
-            meta.query_start_loc, meta.seq_lens_t = rows_to_device((qsl, seq_lens), torch.int32, dev)
+            if meta.state_slots is not None:
+                assert meta.has_initial_state is not None
+                (meta.query_start_loc, meta.seq_lens_t, meta.state_slots_t,
+                 meta.has_initial_state_t) = rows_to_device(
+                    (qsl, seq_lens, meta.state_slots, [int(h) for h in meta.has_initial_state]), torch.int32, dev)
+            else:
+                meta.query_start_loc, meta.seq_lens_t = rows_to_device((qsl, seq_lens), torch.int32, dev)
             meta.max_query_len, meta.max_seq_len = max(query_lens), max(seq_lens)
             if meta.max_query_len == 1 and dev.type == "cuda":
                 # split-KV sized as in the CUDA graphs (by batch size and max_model_len), so eager

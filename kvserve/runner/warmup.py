@@ -62,6 +62,8 @@ def _batch(runner: "ModelRunner", query_lens: list[int], num_splits: int | None)
     if runner.state_pool is not None:  # hybrid models: fresh states (the slots are rewritten at each start)
         meta.state_slots = [i % runner.state_pool.num_slots for i in range(len(query_lens))]
         meta.has_initial_state = [False] * len(query_lens)
+        meta.state_slots_t = torch.tensor(meta.state_slots, dtype=torch.int32, device=dev)
+        meta.has_initial_state_t = torch.zeros(len(query_lens), dtype=torch.int32, device=dev)
     return torch.zeros(n, dtype=torch.long, device=dev), positions, meta
 
 
