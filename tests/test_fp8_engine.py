@@ -62,6 +62,19 @@ def _check(out, oracle_rows: torch.Tensor, plain_rows: torch.Tensor) -> float:
     return worst_plain
 
 
+def check_against_oracle(outs, folder: Path, fmt: str, k_scales: list[float], v_scales: list[float]) -> None:
+    """Every output's logprobs equal Oracle C's (its prompt in one pass, then its tokens one by one),
+    and differ from plain fp32 attention by more than 5 x ATOL somewhere (the check discriminates)."""
+    worst_plain = 0.0
+    for out in outs:
+        ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+        decode_from = len(out.prompt_token_ids)
+        oracle = fake_quant_logprobs(folder, ids, fmt, k_scales, v_scales, decode_from)
+        plain = fake_quant_logprobs(folder, ids, "none", k_scales, v_scales, decode_from)
+        worst_plain = max(worst_plain, _check(out, oracle, plain))
+    assert worst_plain > 5 * ATOL, f"fp8 and fp32 attention are indistinguishable here ({worst_plain})"
+
+
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("path", ["oneshot", "chunked", "prefix_cached", "preempted"])
 def test_fp8_engine_matches_fake_quant_oracle(make_tiny_model, tmp_path, fmt, path):
@@ -93,14 +106,7 @@ def test_fp8_engine_matches_fake_quant_oracle(make_tiny_model, tmp_path, fmt, pa
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     if path == "preempted":
         assert llm.llm_engine.scheduler.num_preemptions > 0
-    worst_plain = 0.0
-    for out in outs:
-        ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
-        decode_from = len(out.prompt_token_ids)
-        oracle = fake_quant_logprobs(folder, ids, fmt, k_scales, v_scales, decode_from)
-        plain = fake_quant_logprobs(folder, ids, "none", k_scales, v_scales, decode_from)
-        worst_plain = max(worst_plain, _check(out, oracle, plain))
-    assert worst_plain > 5 * ATOL, f"fp8 and fp32 attention are indistinguishable here ({worst_plain})"
+    check_against_oracle(outs, folder, fmt, k_scales, v_scales)
     eng = llm.llm_engine
     assert eng.kv_manager.num_free_blocks == eng.kv_manager.pool.num_blocks
 

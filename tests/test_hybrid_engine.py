@@ -191,7 +191,7 @@ def test_hybrid_fp8_cache_matches_fake_quant_oracle(make_tiny_model, arch, path,
     """fp8 attention pages on a hybrid model vs transformers with K/V fake-quantized when written
     (the fp8 issue's Oracle C; GDN layers untouched): the sampled tokens' logprobs within 2e-3,
     while plain fp32 attention differs by more than 5x that (the check discriminates)."""
-    from test_fp8_engine import ATOL, _check, fake_quant_logprobs
+    from test_fp8_engine import check_against_oracle
 
     folder = make_tiny_model(arch, seed=4)
     scales = [1.0] * 4  # per model layer; only the full-attention layers (1, 3) write K/V
@@ -204,14 +204,7 @@ def test_hybrid_fp8_cache_matches_fake_quant_oracle(make_tiny_model, arch, path,
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     if path == "preempted":
         assert llm.llm_engine.scheduler.num_preemptions > 0
-    worst_plain = 0.0
-    for out in outs:
-        ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
-        n = len(out.prompt_token_ids)
-        oracle = fake_quant_logprobs(folder, ids, fmt, scales, scales, n)
-        plain = fake_quant_logprobs(folder, ids, "none", scales, scales, n)
-        worst_plain = max(worst_plain, _check(out, oracle, plain))
-    assert worst_plain > 5 * ATOL, f"fp8 and fp32 attention are indistinguishable here ({worst_plain})"
+    check_against_oracle(outs, folder, fmt, scales, scales)
     _check_idle(llm)
 
 

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.layers.attention import Attention, AttentionMetadata
+from kvserve.layers.mlp import SwiGLUMLP
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.rotary import RotaryEmbedding, rope_parameters
 from kvserve.loader.weights import WeightLoader
@@ -46,27 +47,12 @@ class LlamaAttentionBlock(nn.Module):
         return self.o_proj(self.attn(q, k, v, meta))
 
 
-class LlamaMLP(nn.Module):
+class LlamaMLP(SwiGLUMLP):
     def __init__(self, cfg: Any):
-        super().__init__()
-        bias = bool(getattr(cfg, "mlp_bias", False))
         act = getattr(cfg, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"hidden_act {act!r} is not supported. Supported: ['silu']")
-        self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias)
-        self.gate_up_proj.shard_sizes = [cfg.intermediate_size, cfg.intermediate_size]
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
-        self.fused = False  # SiLU-and-mul in one Triton kernel (kernels/triton_layers.py), set by the runner
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if self.fused:
-            from kvserve.kernels.triton_layers import silu_and_mul
-
-            return self.down_proj(silu_and_mul(gate_up))
-        gate, up = gate_up.split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        super().__init__(cfg.hidden_size, cfg.intermediate_size, bias=bool(getattr(cfg, "mlp_bias", False)))
 
 
 class LlamaDecoderLayer(nn.Module):

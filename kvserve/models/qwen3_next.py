@@ -22,6 +22,7 @@ from torch import nn
 
 from kvserve.layers.attention import Attention, AttentionMetadata
 from kvserve.layers.gdn import GatedDeltaNet
+from kvserve.layers.mlp import SwiGLUMLP
 from kvserve.layers.norm import ZeroCenteredRMSNorm
 from kvserve.layers.rotary import RotaryEmbedding, rope_parameters
 from kvserve.loader.weights import WeightLoader, WeightLoadError
@@ -153,27 +154,6 @@ class GatedAttentionBlock(nn.Module):
         q, k = self.rotary_emb(positions, q, k)
         out = self.attn(q, k, v, meta)
         return self.o_proj(out * torch.sigmoid(gate.reshape(t, self.q_size)))
-
-
-class SwiGLUMLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))``; gate/up fused into ``gate_up_proj``."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int):
-        super().__init__()
-        self.intermediate = intermediate_size
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.gate_up_proj.shard_sizes = [intermediate_size, intermediate_size]
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-        self.fused = False  # SiLU-and-mul in one Triton kernel (kernels/triton_layers.py), set by the runner
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if self.fused:
-            from kvserve.kernels.triton_layers import silu_and_mul
-
-            return self.down_proj(silu_and_mul(gate_up))
-        gate, up = gate_up.split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
 
 
 class Experts(nn.Module):
