@@ -64,13 +64,14 @@ def _check_idle(llm: LLM) -> None:
     assert pool.num_free == pool.num_slots, "a finished request kept its recurrent-state slot"
 
 
+@pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("arch", HYBRID_ARCHS)
-def test_hybrid_greedy_tokens_and_logprobs_equal_transformers(make_tiny_model, arch, one_thread):
+def test_hybrid_greedy_tokens_and_logprobs_equal_transformers(make_tiny_model, arch, seed, one_thread):
     """Four concurrent prompts of 5-30 tokens, prefill chunks of at most 13 tokens (so chunks end
     at odd offsets inside prompts and share steps with decodes): transformers' tokens exactly,
     logprobs within 1e-4."""
-    folder = make_tiny_model(arch)
-    prompts = _prompts()
+    folder = make_tiny_model(arch, seed=seed)
+    prompts = _prompts(seed)
     ref_tokens, ref_lps = _hf_greedy(folder, prompts)
     tokens, lps, llm = _kvserve(folder, prompts)
     assert tokens == ref_tokens
