@@ -84,3 +84,37 @@ def test_gated_delta_rule_varlen_equals_reference(dtype, shape):
     torch.testing.assert_close(dev_pool.cpu(), want_pool, atol=2e-5, rtol=2e-5)
     assert torch.equal(dev_pool.cpu()[[i for i in range(9) if i not in slots]],
                        pool[[i for i in range(9) if i not in slots]])
+
+
+@pytest.mark.parametrize("chunk", [16, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(2, 4, 16, 32), (2, 2, 24, 16)] + ([(16, 32, 128, 128)] if CUDA else []))
+def test_chunk_gated_delta_rule_varlen_equals_recurrent_kernel_and_reference(chunk, dtype, shape):
+    """Chunked (WY) kernel == the reference for prefill chunks longer and shorter than the chunk,
+    decodes and fresh / continuing states; outputs and pools."""
+    from kvserve.kernels.triton_gdn import chunk_gated_delta_rule_varlen
+
+    H, HV, K, V = shape
+    lens = [1, 40, 7, 33, 16, 2]
+    gen = torch.Generator().manual_seed(hash((str(dtype), shape, chunk)) % 2**31)
+    slots, has_state, qsl, qsl_t, slots_t, has_t = _step(gen, lens, 8)
+    T = qsl[-1]
+    q = torch.randn(T, H, K, generator=gen).to(dtype)
+    k = torch.randn(T, H, K, generator=gen).to(dtype)
+    v = torch.randn(T, HV, V, generator=gen).to(dtype)
+    g = -torch.rand(T, HV, generator=gen) * 0.5
+    beta = torch.rand(T, HV, generator=gen)
+    pool = torch.randn(8, HV, K, V, generator=gen) * 0.3
+    want_pool = pool.clone()
+    want = torch.empty(T, HV, V, dtype=dtype)
+    for i, (slot, has) in enumerate(zip(slots, has_state)):
+        s, e = qsl[i], qsl[i + 1]
+        o, st = ref.recurrent_gated_delta_rule(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e],
+                                               initial_state=pool[slot] if has else None)
+        want[s:e], want_pool[slot] = o, st
+    dev_pool = pool.to(DEV)
+    got = chunk_gated_delta_rule_varlen(q.to(DEV), k.to(DEV), v.to(DEV), g.to(DEV), beta.to(DEV), dev_pool,
+                                        qsl_t, slots_t, has_t, chunk_size=chunk)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got.float().cpu(), want.float(), **tol)
+    torch.testing.assert_close(dev_pool.cpu(), want_pool, atol=1e-4, rtol=1e-4)

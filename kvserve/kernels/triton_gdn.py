@@ -5,8 +5,9 @@ sequence's state from its slot of the layer's state pool (``slots``; zeros where
 a sequence's first chunk) and write the state back in place. They are the batched twins of
 ``gdn_reference.causal_conv1d`` and ``gdn_reference.recurrent_gated_delta_rule`` (same math, same
 casts; fp32 state and accumulation), and walk each sequence's tokens in order inside one program:
-the decode path (one token per sequence) in one launch per layer; prefill chunks work too, token by
-token (a chunked WY kernel for long prefills is the next step, docs/HYBRID.md).
+the decode path (one token per sequence) in one launch per layer. ``chunk_gated_delta_rule_varlen``
+is the chunked (WY) form for long prefill chunks: per chunk of BT tokens the in-chunk triangular
+system is solved by forward substitution in registers and the rest are fp32 matrix products.
 
 - ``causal_conv1d_varlen``: program (sequence, block of channels); SiLU(depthwise conv) over
   ``state ++ x``, then the last W - 1 raw inputs become the new state.
@@ -146,5 +147,96 @@ def gated_delta_rule_varlen(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
         ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2), o.stride(0), o.stride(1),
         GROUP=HV // H, K=K, V=V, K_PAD=triton.next_power_of_2(K), BLOCK_V=block_v, num_warps=4,
+    )
+    return o
+
+
+@triton.jit
+def _chunk_delta_rule_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, o_ptr, qsl_ptr, slots_ptr, has_state_ptr, scale,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
+    stride_ss, stride_sh, stride_sk, stride_ot, stride_oh,
+    GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr, K_PAD: tl.constexpr, BLOCK_V: tl.constexpr,
+    BT: tl.constexpr,
+):
+    """Chunked (WY) form: per chunk of BT tokens, T = (I + strict_lower(beta K K^T * decay))^-1 by
+    forward substitution, then the chunk's outputs and the state update as matrix products."""
+    seq = tl.program_id(0)
+    hv = tl.program_id(1)
+    h = hv // GROUP
+    vcol = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    kk = tl.arange(0, K_PAD)
+    k_ok = kk < K
+    v_ok = vcol < V
+    r = tl.arange(0, BT)
+    lower = r[:, None] >= r[None, :]
+    strict = r[:, None] > r[None, :]
+    start = tl.load(qsl_ptr + seq)
+    end = tl.load(qsl_ptr + seq + 1)
+    slot = tl.load(slots_ptr + seq).to(tl.int64)
+    keep = (tl.zeros([K_PAD, BLOCK_V], tl.int32) + tl.load(has_state_ptr + seq)) != 0
+    s_ptrs = state_ptr + slot * stride_ss + hv * stride_sh + kk[:, None] * stride_sk + vcol[None, :]
+    s_mask = k_ok[:, None] & v_ok[None, :]
+    S = tl.load(s_ptrs, mask=s_mask & keep, other=0.0)  # [K_PAD, BLOCK_V] fp32
+    for c0 in range(start, end, BT):
+        rows = c0 + r
+        ok = rows < end
+        rows64 = rows.to(tl.int64)
+        qc = tl.load(q_ptr + rows64[:, None] * stride_qt + h * stride_qh + kk[None, :],
+                     mask=ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        kc = tl.load(k_ptr + rows64[:, None] * stride_kt + h * stride_kh + kk[None, :],
+                     mask=ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        qc = qc * tl.rsqrt(tl.sum(qc * qc, axis=1) + 1e-6)[:, None] * scale
+        kc = kc * tl.rsqrt(tl.sum(kc * kc, axis=1) + 1e-6)[:, None]
+        vc = tl.load(v_ptr + rows64[:, None] * stride_vt + hv * stride_vh + vcol[None, :],
+                     mask=ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + rows64 * stride_gt + hv, mask=ok, other=0.0).to(tl.float32)  # padded rows: no decay
+        beta = tl.load(beta_ptr + rows64 * stride_bt + hv, mask=ok, other=0.0).to(tl.float32)
+        gc = tl.cumsum(g, axis=0)
+        g_last = tl.sum(tl.where(r == BT - 1, gc, 0.0), axis=0)
+        decay = tl.exp(tl.where(lower, gc[:, None] - gc[None, :], float("-inf")))  # [BT, BT], 0 above the diagonal
+        kkt = tl.dot(kc, tl.trans(kc), input_precision="ieee")
+        A = tl.where(strict, -(beta[:, None] * kkt * decay), 0.0)
+        for i in tl.static_range(1, BT):  # rows < i are final; row i += row i @ A
+            row = tl.sum(tl.where(r[:, None] == i, A, 0.0), axis=0)
+            upd = tl.sum(row[:, None] * A, axis=0)
+            A = tl.where(r[:, None] == i, (row + upd)[None, :], A)
+        Tm = tl.where(r[:, None] == r[None, :], 1.0, A)  # (I + N)^-1
+        value = tl.dot(Tm, vc * beta[:, None], input_precision="ieee")
+        kcd = tl.dot(Tm, kc * (beta * tl.exp(gc))[:, None], input_precision="ieee")
+        v_new = value - tl.dot(kcd, S, input_precision="ieee")
+        o = tl.dot(qc * tl.exp(gc)[:, None], S, input_precision="ieee")
+        qk = tl.dot(qc, tl.trans(kc), input_precision="ieee") * decay
+        o += tl.dot(qk, v_new, input_precision="ieee")
+        tl.store(o_ptr + rows64[:, None] * stride_ot + hv * stride_oh + vcol[None, :], o.to(o_ptr.dtype.element_ty),
+                 mask=ok[:, None] & v_ok[None, :])
+        kd = kc * tl.exp(g_last - gc)[:, None]
+        S = S * tl.exp(g_last) + tl.dot(tl.trans(kd), v_new, input_precision="ieee")
+    tl.store(s_ptrs, S, mask=s_mask)
+
+
+def chunk_gated_delta_rule_varlen(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, ssm_state: torch.Tensor,
+    query_start_loc: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor, scale: float | None = None,
+    chunk_size: int = 32,
+) -> torch.Tensor:
+    """The chunked twin of ``gated_delta_rule_varlen`` (same contract): for prefill chunks, where
+    walking tokens one by one leaves the GPU waiting on each step's dependent loads."""
+    T, H, K = q.shape
+    HV, V = v.shape[1:]
+    assert HV % H == 0 and ssm_state.shape[1:] == (HV, K, V) and ssm_state.dtype == torch.float32
+    assert g.shape == beta.shape == (T, HV) and g.stride(1) == beta.stride(1) == 1
+    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and ssm_state.stride(-1) == 1
+    assert chunk_size in (16, 32, 64) and V >= 16
+    o = torch.empty((T, HV, V), dtype=q.dtype, device=q.device)
+    B = slots.shape[0]
+    if B == 0 or T == 0:
+        return o
+    block_v = min(64, triton.next_power_of_2(V))
+    _chunk_delta_rule_kernel[(B, HV, triton.cdiv(V, block_v))](
+        q, k, v, g, beta, ssm_state, o, query_start_loc, slots, has_state, float(K**-0.5 if scale is None else scale),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
+        ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2), o.stride(0), o.stride(1),
+        GROUP=HV // H, K=K, V=V, K_PAD=max(16, triton.next_power_of_2(K)), BLOCK_V=block_v, BT=chunk_size, num_warps=4,
     )
     return o

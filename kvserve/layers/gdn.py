@@ -132,7 +132,9 @@ class GatedDeltaNet(nn.Module):
         y = triton_gdn.causal_conv1d_varlen(mixed, weight, self.conv_state, qsl, slots, has)
         t = y.shape[0]
         q, k, v = y.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        return triton_gdn.gated_delta_rule_varlen(
+        # prefill chunks longer than a WY chunk: the chunked kernel; decodes and short chunks: token by token
+        rule = triton_gdn.chunk_gated_delta_rule_varlen if meta.max_query_len > 32 else triton_gdn.gated_delta_rule_varlen
+        return rule(
             q.view(t, self.num_k_heads, self.head_k_dim), k.view(t, self.num_k_heads, self.head_k_dim),
             v.view(t, self.num_v_heads, self.head_v_dim), g, beta, self.ssm_state, qsl, slots, has,
         )
