@@ -29,6 +29,18 @@ def _step(gen, lens, num_slots):
     return slots, has_state, qsl, as_t(qsl), as_t(slots), as_t([int(h) for h in has_state])
 
 
+def _reference_rule(q, k, v, g, beta, pool, slots, has_state, qsl):
+    """The reference delta rule sequence by sequence: outputs and the pool after the step."""
+    want_pool = pool.clone()
+    want = torch.empty(v.shape, dtype=q.dtype)
+    for i, (slot, has) in enumerate(zip(slots, has_state)):
+        s, e = qsl[i], qsl[i + 1]
+        o, st = ref.recurrent_gated_delta_rule(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e],
+                                               initial_state=pool[slot] if has else None)
+        want[s:e], want_pool[slot] = o, st
+    return want, want_pool
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("W", [4, 2])
@@ -69,13 +81,7 @@ def test_gated_delta_rule_varlen_equals_reference(dtype, shape):
     g = -torch.rand(T, HV, generator=gen) * 0.5  # log decays in (-0.5, 0]
     beta = torch.rand(T, HV, generator=gen)
     pool = torch.randn(9, HV, K, V, generator=gen) * 0.3
-    want_pool = pool.clone()
-    want = torch.empty(T, HV, V, dtype=dtype)
-    for i, (slot, has) in enumerate(zip(slots, has_state)):
-        s, e = qsl[i], qsl[i + 1]
-        o, st = ref.recurrent_gated_delta_rule(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e],
-                                               initial_state=pool[slot] if has else None)
-        want[s:e], want_pool[slot] = o, st
+    want, want_pool = _reference_rule(q, k, v, g, beta, pool, slots, has_state, qsl)
     dev_pool = pool.to(DEV)
     got = gated_delta_rule_varlen(q.to(DEV), k.to(DEV), v.to(DEV), g.to(DEV), beta.to(DEV), dev_pool,
                                   qsl_t, slots_t, has_t)
@@ -105,13 +111,7 @@ def test_chunk_gated_delta_rule_varlen_equals_recurrent_kernel_and_reference(chu
     g = -torch.rand(T, HV, generator=gen) * 0.5
     beta = torch.rand(T, HV, generator=gen)
     pool = torch.randn(8, HV, K, V, generator=gen) * 0.3
-    want_pool = pool.clone()
-    want = torch.empty(T, HV, V, dtype=dtype)
-    for i, (slot, has) in enumerate(zip(slots, has_state)):
-        s, e = qsl[i], qsl[i + 1]
-        o, st = ref.recurrent_gated_delta_rule(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e],
-                                               initial_state=pool[slot] if has else None)
-        want[s:e], want_pool[slot] = o, st
+    want, want_pool = _reference_rule(q, k, v, g, beta, pool, slots, has_state, qsl)
     dev_pool = pool.to(DEV)
     got = chunk_gated_delta_rule_varlen(q.to(DEV), k.to(DEV), v.to(DEV), g.to(DEV), beta.to(DEV), dev_pool,
                                         qsl_t, slots_t, has_t, chunk_size=chunk)

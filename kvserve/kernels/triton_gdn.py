@@ -132,25 +132,8 @@ def gated_delta_rule_varlen(
     """q, k [T, H, K]; v [T, HV, V]; g, beta [T, HV] (fp32); ssm_state [slots, HV, K, V] fp32
     (updated in place); query_start_loc [B + 1], slots [B], has_state [B] int32. q and k are
     L2-normalised here (q scaled by ``scale``, default K^-0.5). Returns o [T, HV, V] in q's dtype."""
-    T, H, K = q.shape
-    HV, V = v.shape[1:]
-    assert HV % H == 0 and ssm_state.shape[1:] == (HV, K, V) and ssm_state.dtype == torch.float32
-    assert g.shape == beta.shape == (T, HV) and g.stride(1) == beta.stride(1) == 1
-    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and ssm_state.stride(-1) == 1
-    o = torch.empty((T, HV, V), dtype=q.dtype, device=q.device)
-    B = slots.shape[0]
-    if B == 0 or T == 0:
-        return o
-    block_v = min(32, triton.next_power_of_2(V))
-    _delta_rule_kernel[(B, HV, triton.cdiv(V, block_v))](
-        q, k, v, g, beta, ssm_state, o, query_start_loc, slots, has_state, float(K**-0.5 if scale is None else scale),
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
-        ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2), o.stride(0), o.stride(1),
-        GROUP=HV // H, K=K, V=V, K_PAD=triton.next_power_of_2(K), BLOCK_V=block_v, num_warps=4,
-    )
-    return o
-
-
+    return _launch_delta_rule(_delta_rule_kernel, 32, q, k, v, g, beta, ssm_state, query_start_loc, slots, has_state,
+                              scale, {})
 @triton.jit
 def _chunk_delta_rule_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, o_ptr, qsl_ptr, slots_ptr, has_state_ptr, scale,
@@ -222,16 +205,32 @@ def chunk_gated_delta_rule_varlen(
 ) -> torch.Tensor:
     """The chunked twin of ``gated_delta_rule_varlen`` (same contract): for prefill chunks, where
     walking tokens one by one leaves the GPU waiting on each step's dependent loads."""
+    assert chunk_size in (16, 32, 64) and v.shape[-1] >= 16
+    return _launch_delta_rule(_chunk_delta_rule_kernel, 64, q, k, v, g, beta, ssm_state, query_start_loc, slots,
+                              has_state, scale, {"BT": chunk_size})
+
+
+def _launch_delta_rule(kernel, max_block_v: int, q, k, v, g, beta, ssm_state, query_start_loc, slots, has_state,
+                       scale: float | None, extra: dict) -> torch.Tensor:
+    """Checks and the launch shared by both delta-rule kernels: grid (sequences, value heads,
+    blocks of V columns)."""
     T, H, K = q.shape
     HV, V = v.shape[1:]
     assert HV % H == 0 and ssm_state.shape[1:] == (HV, K, V) and ssm_state.dtype == torch.float32
     assert g.shape == beta.shape == (T, HV) and g.stride(1) == beta.stride(1) == 1
     assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and ssm_state.stride(-1) == 1
-    assert chunk_size in (16, 32, 64) and V >= 16
     o = torch.empty((T, HV, V), dtype=q.dtype, device=q.device)
     B = slots.shape[0]
     if B == 0 or T == 0:
         return o
+    block_v = min(max_block_v, triton.next_power_of_2(V))
+    kernel[(B, HV, triton.cdiv(V, block_v))](
+        q, k, v, g, beta, ssm_state, o, query_start_loc, slots, has_state, float(K**-0.5 if scale is None else scale),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
+        ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2), o.stride(0), o.stride(1),
+        GROUP=HV // H, K=K, V=V, K_PAD=max(16, triton.next_power_of_2(K)), BLOCK_V=block_v, num_warps=4, **extra,
+    )
+    return o
     block_v = min(64, triton.next_power_of_2(V))
     _chunk_delta_rule_kernel[(B, HV, triton.cdiv(V, block_v))](
         q, k, v, g, beta, ssm_state, o, query_start_loc, slots, has_state, float(K**-0.5 if scale is None else scale),
