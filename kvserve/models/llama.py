@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.layers.attention import Attention, AttentionMetadata
+from kvserve.layers.decoder import PreNormDecoderLayer
 from kvserve.layers.mlp import SwiGLUMLP
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.rotary import RotaryEmbedding, rope_parameters
@@ -55,7 +56,7 @@ class LlamaMLP(SwiGLUMLP):
         super().__init__(cfg.hidden_size, cfg.intermediate_size, bias=bool(getattr(cfg, "mlp_bias", False)))
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(PreNormDecoderLayer):
     def __init__(self, cfg: Any, architecture: str, layer_idx: int, rope: RotaryEmbedding):
         super().__init__()
         self.self_attn = LlamaAttentionBlock(cfg, architecture, layer_idx, rope)
@@ -63,16 +64,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+    def mix(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.self_attn(positions, x, meta)
 
 
 class LlamaModel(nn.Module):

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.layers.attention import Attention, AttentionMetadata
+from kvserve.layers.decoder import PreNormDecoderLayer
 from kvserve.layers.gdn import GatedDeltaNet
 from kvserve.layers.mlp import SwiGLUMLP
 from kvserve.layers.norm import ZeroCenteredRMSNorm
@@ -210,7 +211,7 @@ class SparseMoeBlock(nn.Module):
         return routed + torch.sigmoid(self.shared_expert_gate(x)) * shared
 
 
-class HybridDecoderLayer(nn.Module):
+class HybridDecoderLayer(PreNormDecoderLayer):
     def __init__(self, cfg: Any, layer_idx: int, kind: str, grouped: bool, ffn: str, rope: RotaryEmbedding):
         super().__init__()
         self.kind = kind
@@ -231,19 +232,10 @@ class HybridDecoderLayer(nn.Module):
         self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
+    def mix(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if self.kind == "linear_attention":
-            x = self.linear_attn(x, meta)
-        else:
-            x = self.self_attn(positions, x, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+            return self.linear_attn(x, meta)
+        return self.self_attn(positions, x, meta)
 
 
 class HybridModel(nn.Module):
