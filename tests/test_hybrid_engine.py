@@ -5,7 +5,6 @@ leaks and never lets one request read another's state; prefix caching is off for
 
 from __future__ import annotations
 
-import logging
 
 import pytest
 import torch
@@ -99,13 +98,12 @@ def test_hybrid_survives_preemption_and_requests_are_isolated(make_tiny_model, a
     _check_idle(llm)
 
 
-def test_hybrid_models_turn_prefix_caching_off(make_tiny_model, caplog):
+def test_hybrid_models_turn_prefix_caching_off(make_tiny_model, kvlog):
     folder = make_tiny_model("qwen3_5")
-    with caplog.at_level(logging.INFO):
-        llm = LLM(str(folder), dtype="float32", max_num_seqs=2, kv_cache_memory=1 << 22)
+    llm = LLM(str(folder), dtype="float32", max_num_seqs=2, kv_cache_memory=1 << 22)
     assert llm.llm_engine.config.cache_config.enable_prefix_caching is False
-    assert "Prefix caching is disabled for hybrid models" in caplog.text
-    assert "Recurrent state (CPU): 2 GDN layers" in caplog.text
+    assert kvlog.count("Prefix caching is disabled for hybrid models") == 1
+    assert kvlog.count("Recurrent state (CPU): 2 GDN layers") == 1
     assert len(llm.llm_engine.runner.kv_caches) == 2  # pages for the two full-attention layers only
 
 
