@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from kvserve.choices import ATTENTION_BACKEND_CHOICES, DTYPE_CHOICES, LOAD_FORMAT_CHOICES
+from kvserve.choices import ATTENTION_BACKEND_CHOICES, DTYPE_CHOICES, LOAD_FORMAT_CHOICES, MAMBA_CACHE_MODE_CHOICES
 from kvserve.logger import init_logger
 from kvserve.quant.kv_cache_dtype import (
     KV_CACHE_DTYPE_CHOICES,
@@ -80,6 +80,10 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     num_gpu_blocks_override: int | None = None
     num_blocks: int = 0  # set by the memory planner
+    # hybrid models: "align" = prefix caching with recurrent-state snapshots at step ends on
+    # multiples of mamba_block_size tokens (None: derived by the runner); "none" = no snapshots
+    mamba_cache_mode: str = "none"
+    mamba_block_size: int | None = None
 
 
 @dataclass
@@ -199,6 +203,43 @@ def cudagraph_capture_sizes(max_num_seqs: int, max_capture_size: int | None = No
     return sorted(sizes)
 
 
+def _resolve_mamba_cache_mode(
+    mode: str, mamba_block_size: int | None, hybrid: bool, prefix_caching: bool, chunked_prefill: bool,
+    architecture: str,
+) -> str:
+    """``--mamba-cache-mode`` as vLLM resolves it for Qwen3-Next / Qwen3.5 (which do not support
+    "all"): prefix caching on -> "align" (with vLLM's warnings), off -> "none"."""
+    if mode not in MAMBA_CACHE_MODE_CHOICES:
+        raise ValueError(f"Unknown mamba_cache_mode: {mode!r}. Supported: {MAMBA_CACHE_MODE_CHOICES}")
+    if mamba_block_size is not None and not prefix_caching:
+        raise ValueError("--mamba-block-size can only be set with --enable-prefix-caching")
+    if not hybrid:
+        return mode
+    if not prefix_caching:
+        if mode != "none":
+            logger.warning("Mamba cache mode is set to 'none' when prefix caching is disabled")
+        return "none"
+    if mode == "none":
+        logger.warning(
+            "Mamba cache mode is set to 'align' for %s by default when prefix caching is enabled", architecture
+        )
+    elif mode == "all":
+        logger.warning(
+            "Hybrid or mamba-based model detected without support for prefix caching with Mamba cache 'all' "
+            "mode: falling back to 'align' mode."
+        )
+    if not chunked_prefill:
+        raise ValueError(
+            "Chunked prefill is required for mamba cache mode 'align'. Enable chunked prefill, or pass "
+            "--no-enable-prefix-caching."
+        )
+    logger.info(
+        "Warning: Prefix caching in Mamba cache 'align' mode is currently enabled. Its support for Mamba "
+        "layers is experimental. Please report any issues you may observe."
+    )
+    return "align"
+
+
 def is_hybrid_config(hf_config: Any) -> bool:
     """Whether the (text) config has Gated DeltaNet layers next to full attention (Qwen3-Next,
     Qwen3.5/3.6): their recurrent state lives in a slot pool, not in KV pages."""
@@ -276,6 +317,8 @@ class EngineArgs:
     load_format: str = "auto"
     skip_tokenizer_init: bool = False
     async_scheduling: bool | None = None
+    mamba_cache_mode: str = "none"
+    mamba_block_size: int | None = None
 
     def create_engine_config(self) -> EngineConfig:
         from transformers import AutoConfig
@@ -351,12 +394,10 @@ class EngineArgs:
             )
 
         enable_prefix_caching, enforce_eager = self.enable_prefix_caching, self.enforce_eager
-        if hybrid and enable_prefix_caching:
-            logger.info(
-                "Prefix caching is disabled for hybrid models (Gated DeltaNet layers): a cached attention "
-                "prefix has no matching recurrent state."
-            )
-            enable_prefix_caching = False
+        mamba_cache_mode = _resolve_mamba_cache_mode(
+            self.mamba_cache_mode, self.mamba_block_size, hybrid, enable_prefix_caching,
+            self.enable_chunked_prefill, architecture,
+        )
         if hybrid and device.type == "cuda" and not enforce_eager:
             logger.info("CUDA graphs are off for hybrid models: the decode graphs do not hold recurrent-state slots yet.")
             enforce_eager = True
@@ -381,6 +422,8 @@ class EngineArgs:
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 enable_prefix_caching=enable_prefix_caching,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
+                mamba_cache_mode=mamba_cache_mode,
+                mamba_block_size=self.mamba_block_size,
             ),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=max_num_seqs,

@@ -1,7 +1,7 @@
 """Hybrid models (Gated DeltaNet + gated attention: Qwen3-Next, Qwen3.5, Qwen3.5-MoE) in the engine:
 greedy tokens and their logprobs equal transformers' (float32) through chunked prefill at odd
 boundaries, concurrent requests of different lengths and preemption; the recurrent-state pool never
-leaks and never lets one request read another's state; prefix caching is off for them."""
+leaks and never lets one request read another's state. (Prefix caching: test_hybrid_prefix_cache.py.)"""
 
 from __future__ import annotations
 
@@ -25,13 +25,13 @@ def _prompts(seed: int = 0) -> list[list[int]]:
     return [torch.randint(3, 500, (n,), generator=gen).tolist() for n in PROMPT_LENS]
 
 
-def _hf_greedy(folder, prompts: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
+def hf_greedy(folder, prompts: list[list[int]], max_tokens=MAX_TOKENS) -> tuple[list[list[int]], list[list[float]]]:
     """transformers' greedy tokens and the chosen tokens' logprobs, one prompt at a time."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     tokens, lps = [], []
-    for ids, n in zip(prompts, MAX_TOKENS):
+    for ids, n in zip(prompts, max_tokens):
         with torch.no_grad():
             out = model.generate(
                 torch.tensor([ids]), max_new_tokens=n, do_sample=False, output_scores=True,
@@ -54,9 +54,12 @@ def _kvserve(folder, prompts, **kw) -> tuple[list[list[int]], list[list[float]],
     return tokens, lps, llm
 
 
-def _check_idle(llm: LLM) -> None:
+def check_idle(llm: LLM) -> None:
+    """No block, state slot or pending snapshot is held once every request has finished."""
     engine = llm.llm_engine
     engine.kv_manager.check_invariants()
+    if engine.kv_manager.snapshots is not None:
+        engine.kv_manager.snapshots.check_invariants()
     pool = engine.runner.state_pool
     assert pool is not None
     pool.check_invariants()
@@ -71,13 +74,13 @@ def test_hybrid_greedy_tokens_and_logprobs_equal_transformers(make_tiny_model, a
     logprobs within 1e-4."""
     folder = make_tiny_model(arch, seed=seed)
     prompts = _prompts(seed)
-    ref_tokens, ref_lps = _hf_greedy(folder, prompts)
+    ref_tokens, ref_lps = hf_greedy(folder, prompts)
     tokens, lps, llm = _kvserve(folder, prompts)
     assert tokens == ref_tokens
     assert len({tuple(t) for t in ref_tokens}) == len(ref_tokens)  # distinct: the check can fail
     for got, want in zip(lps, ref_lps):
         assert got == pytest.approx(want, abs=1e-4)
-    _check_idle(llm)
+    check_idle(llm)
 
 
 @pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5"])
@@ -95,16 +98,25 @@ def test_hybrid_survives_preemption_and_requests_are_isolated(make_tiny_model, a
     tokens, _, llm = _kvserve(folder, prompts, num_gpu_blocks_override=5, max_model_len=48)
     assert llm.llm_engine.scheduler.num_preemptions > 0, "the pool was meant to force preemption"
     assert tokens == solo
-    _check_idle(llm)
+    check_idle(llm)
 
 
-def test_hybrid_models_turn_prefix_caching_off(make_tiny_model, kvlog):
+def test_hybrid_prefix_caching_off_keeps_no_snapshots(make_tiny_model, kvlog, one_thread):
+    """``enable_prefix_caching=False``: mode 'none' (an explicit 'align' is overridden with vLLM's
+    warning), no snapshot slots, no hits on a repeated prompt, transformers' tokens."""
     folder = make_tiny_model("qwen3_5")
-    llm = LLM(str(folder), dtype="float32", max_num_seqs=2, kv_cache_memory=1 << 22)
-    assert llm.llm_engine.config.cache_config.enable_prefix_caching is False
-    assert kvlog.count("Prefix caching is disabled for hybrid models") == 1
+    prompts = _prompts(0)
+    prompts[1] = prompts[3]  # a repeated 30-token prompt
+    tokens, _, llm = _kvserve(folder, prompts, enable_prefix_caching=False, mamba_cache_mode="align")
+    engine = llm.llm_engine
+    assert kvlog.count("Mamba cache mode is set to 'none' when prefix caching is disabled") == 1
+    assert engine.config.cache_config.mamba_cache_mode == "none"
+    assert engine.kv_manager.snapshots is None and engine.runner.num_snapshot_slots == 0
+    assert engine.runner.gdn_layers[0].ssm_state.shape[0] == 4  # live slots only
     assert kvlog.count("Recurrent state (CPU): 2 GDN layers") == 1
-    assert len(llm.llm_engine.runner.kv_caches) == 2  # pages for the two full-attention layers only
+    assert len(engine.runner.kv_caches) == 2  # pages for the two full-attention layers only
+    assert tokens == hf_greedy(folder, prompts)[0]
+    assert engine.kv_manager.prefix_cache_hits == 0
 
 
 @settings(max_examples=60, deadline=None)
@@ -143,7 +155,7 @@ def test_hybrid_triton_backend_gives_the_reference_tokens(make_tiny_model, kv, o
     assert got == ref
     if kv == "fp8_e4m3":
         assert all(c.dtype == torch.uint8 for c in llm.llm_engine.runner.kv_caches)
-    _check_idle(llm)
+    check_idle(llm)
 
 
 def test_hybrid_kv_scales_load_from_image_text_checkpoint_names(make_tiny_model, tmp_path):
@@ -204,7 +216,7 @@ def test_hybrid_fp8_cache_matches_fake_quant_oracle(make_tiny_model, arch, path,
     if path == "preempted":
         assert llm.llm_engine.scheduler.num_preemptions > 0
     check_against_oracle(outs, folder, fmt, scales, scales)
-    _check_idle(llm)
+    check_idle(llm)
 
 
 @pytest.mark.parametrize("arch", HYBRID_ARCHS)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from kvserve.config import EngineArgs, EngineConfig
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.kv_cache import KVCacheManager
+from kvserve.engine.state_cache import StateSnapshotCache
 from kvserve.engine.outputs import RequestOutput, RequestState
 from kvserve.engine.parallel_sampling import ParentRequest
 from kvserve.engine.request import Request, RequestStatus
@@ -69,7 +70,12 @@ class Engine:
         self.extra_eos_ids = _generation_eos_ids(config.model_config.model)
         self.runner = ModelRunner(config)
         cc = config.cache_config
-        self.kv_manager = KVCacheManager(cc.num_blocks, cc.block_size, cc.enable_prefix_caching)
+        snapshots = None
+        if self.runner.num_snapshot_slots:  # hybrid prefix caching: the GDN states a hit resumes from
+            snapshots = StateSnapshotCache(self.runner.num_snapshot_slots, self.runner.snapshot_interval)
+        elif self.runner.gdn_layers:  # a cached prefix without its recurrent state would be wrong
+            cc.enable_prefix_caching = False
+        self.kv_manager = KVCacheManager(cc.num_blocks, cc.block_size, cc.enable_prefix_caching, snapshots)
         self.scheduler = Scheduler(config.scheduler_config, self.kv_manager)
         self.states: dict[str, RequestState] = {}
         self.parents: dict[str, ParentRequest] = {}

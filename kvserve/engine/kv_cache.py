@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvserve.engine.request import Request
+from kvserve.engine.state_cache import StateSnapshotCache
 
 
 @dataclass(eq=False)
@@ -99,11 +100,21 @@ class BlockPool:
 
 
 class KVCacheManager:
-    """Maps requests to blocks: prefix-cache lookup, slot allocation, freeing."""
+    """Maps requests to blocks: prefix-cache lookup, slot allocation, freeing. For hybrid models
+    with prefix caching, ``snapshots`` holds the recurrent states a cache hit must resume from."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_caching: bool = True,
+        snapshots: StateSnapshotCache | None = None,
+    ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.snapshots = snapshots if enable_caching else None
+        if self.snapshots is not None and self.snapshots.interval % block_size:
+            raise ValueError(
+                f"the state snapshot interval ({self.snapshots.interval}) must be a multiple of "
+                f"block_size ({block_size})"
+            )
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
         self._block_ids: dict[str, list[int]] = {}  # the same blocks as ids, kept in step
@@ -143,6 +154,12 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
+        if self.snapshots is not None:  # hybrid: only a prefix whose end state was snapshotted counts
+            per = self.snapshots.interval // self.block_size
+            n = len(hits) // per * per
+            while n > 0 and self.snapshots.lookup(request.block_hashes[n - 1]) is None:
+                n -= per
+            del hits[n:]
         self.prefix_cache_queries += request.num_tokens
         self.prefix_cache_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
@@ -194,14 +211,51 @@ class KVCacheManager:
         self._num_cached_blocks[request.request_id] = max(start, end)
 
     def confirm_cached_blocks(self) -> None:
-        """The previous step ran to completion: the blocks it cached hold valid K/V."""
+        """The previous step ran to completion: the blocks it cached hold valid K/V (and the
+        snapshots it took, valid states)."""
         self._unconfirmed.clear()
+        if self.snapshots is not None:
+            self.snapshots.confirm()
 
     def uncache_unconfirmed(self, request: Request) -> None:
         """Take the blocks this request cached for the step not yet confirmed out of the prefix
         cache (the step may never have written them). Call before ``free``."""
         for block in self._unconfirmed.pop(request.request_id, []):
             self.pool.uncache(block)
+        if self.snapshots is not None:
+            self.snapshots.drop_pending(request.request_id)
+
+    def snapshot_to_restore(self, request: Request, num_hit_tokens: int) -> int | None:
+        """The snapshot slot a request admitted with this many cached tokens resumes from."""
+        if self.snapshots is None or num_hit_tokens == 0:
+            return None
+        slot = self.snapshots.lookup(request.block_hashes[num_hit_tokens // self.block_size - 1])
+        assert slot is not None, "a hybrid prefix hit without its state snapshot"
+        return slot
+
+    def snapshot_to_save(self, request: Request, end: int) -> int | None:
+        """A snapshot slot for the state a step ending at token ``end`` reaches, when ``end`` is a
+        snapshot position whose tokens are all known and no snapshot of that prefix exists."""
+        snaps = self.snapshots
+        if snaps is None or end % snaps.interval or end > request.num_tokens:
+            return None
+        self._update_block_hashes(request)
+        return snaps.reserve(request.request_id, request.block_hashes[end // self.block_size - 1])
+
+    def align_prefill(self, request: Request, num_computed: int, num_new: int) -> int:
+        """'align' mode (vLLM's Mamba chunk alignment): cut a prefill step so that it ends on a
+        snapshot position; the last whole interval of the known tokens ends a step of its own,
+        the tail after it runs in the next one. A step too short to reach a position is kept."""
+        if self.snapshots is None:
+            return num_new
+        interval, end = self.snapshots.interval, num_computed + num_new
+        last = request.num_tokens // interval * interval
+        if end < last:
+            aligned = end // interval * interval
+            return aligned - num_computed if aligned > num_computed else num_new
+        if num_computed < last < end:
+            return last - num_computed
+        return num_new
 
     def free(self, request: Request) -> None:
         """Release all of a request's blocks, tail first (so a prefix outlives its suffix in the cache)."""
@@ -220,7 +274,11 @@ class KVCacheManager:
         return self._block_ids.get(request_id, [])
 
     def reset_prefix_cache(self) -> bool:
-        return self.pool.reset_prefix_cache()
+        if not self.pool.reset_prefix_cache():
+            return False
+        if self.snapshots is not None:
+            self.snapshots.reset()
+        return True
 
     def check_invariants(self) -> None:
         """Every reference is accounted for; used by tests."""

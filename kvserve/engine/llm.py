@@ -40,6 +40,8 @@ class LLM:
         load_format: str = "auto",
         skip_tokenizer_init: bool = False,
         async_scheduling: bool | None = None,
+        mamba_cache_mode: str = "none",
+        mamba_block_size: int | None = None,
         **kwargs: Any,
     ) -> None:
         if kwargs:
@@ -66,6 +68,8 @@ class LLM:
             load_format=load_format,
             skip_tokenizer_init=skip_tokenizer_init,
             async_scheduling=async_scheduling,
+            mamba_cache_mode=mamba_cache_mode,
+            mamba_block_size=mamba_block_size,
         )
         self.llm_engine = Engine.from_engine_args(args)
         self.request_counter = itertools.count()

@@ -19,6 +19,10 @@ class ScheduledRequest:
     block_ids: list[int]  # the KV manager's live list: read it during this step only
     # this step reaches the end of the tokens (known or pending), so a new token is sampled
     samples: bool = False
+    # hybrid prefix caching: the snapshot slot whose state this request resumes from (a cache hit),
+    # and the one its state is copied to after this step (the step ends on a snapshot position)
+    restore_state_from: int | None = None
+    save_state_to: int | None = None
 
 
 @dataclass
@@ -74,7 +78,8 @@ class Scheduler:
         self.kv.confirm_cached_blocks()
         budget = cfg.max_num_batched_tokens
         out = SchedulerOutput()
-        plan: list[tuple[Request, int, int]] = []
+        plan: list[tuple[Request, int, int, int | None]] = []
+        hybrid_caching = self.kv.snapshots is not None  # steps end on state-snapshot positions
 
         # 1. Running requests, in order; the last one is preempted when blocks run out.
         i = 0
@@ -84,6 +89,8 @@ class Scheduler:
             if num_new <= 0 or (req.num_pending and len(req.all_token_ids) + req.num_pending >= req.max_total_tokens):
                 i += 1
                 continue
+            if hybrid_caching and num_new > 1:
+                num_new = self.kv.align_prefill(req, req.num_computed_tokens, num_new)
             while not self.kv.allocate_slots(req, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -91,7 +98,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                plan.append((req, req.num_computed_tokens, num_new))
+                plan.append((req, req.num_computed_tokens, num_new, None))
                 budget -= num_new
                 i += 1
                 continue
@@ -107,7 +114,7 @@ class Scheduler:
                 num_new = req.num_tokens - num_hit_tokens
                 if num_new > budget and not cfg.enable_chunked_prefill:
                     break
-                num_new = min(num_new, budget)
+                num_new = self.kv.align_prefill(req, num_hit_tokens, min(num_new, budget))
                 if not self.kv.allocate_slots(req, num_new, hits):
                     break
                 self.waiting.popleft()
@@ -116,15 +123,17 @@ class Scheduler:
                 req.num_computed_tokens = num_hit_tokens
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
-                plan.append((req, num_hit_tokens, num_new))
+                plan.append((req, num_hit_tokens, num_new, self.kv.snapshot_to_restore(req, num_hit_tokens)))
                 budget -= num_new
 
-        for req, num_computed, num_new in plan:
-            samples = num_computed + num_new == req.num_tokens + req.num_pending
-            out.scheduled.append(
-                ScheduledRequest(req, num_computed, num_new, self.kv.block_ids_view(req.request_id), samples)
-            )
-            req.num_computed_tokens = num_computed + num_new
+        for req, num_computed, num_new, restore in plan:
+            end = num_computed + num_new
+            samples = end == req.num_tokens + req.num_pending
+            out.scheduled.append(ScheduledRequest(
+                req, num_computed, num_new, self.kv.block_ids_view(req.request_id), samples,
+                restore, self.kv.snapshot_to_save(req, end) if hybrid_caching else None,
+            ))
+            req.num_computed_tokens = end
         return out
 
     def finish_request(self, request: Request, status: RequestStatus) -> None:

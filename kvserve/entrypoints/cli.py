@@ -7,7 +7,13 @@ import json
 import sys
 from typing import Any
 
-from kvserve.choices import ATTENTION_BACKEND_CHOICES, DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES, LOAD_FORMAT_CHOICES
+from kvserve.choices import (
+    ATTENTION_BACKEND_CHOICES,
+    DTYPE_CHOICES,
+    KV_CACHE_DTYPE_CHOICES,
+    LOAD_FORMAT_CHOICES,
+    MAMBA_CACHE_MODE_CHOICES,
+)
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -37,6 +43,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--skip-tokenizer-init", action="store_true", help="no tokenizer: token-id prompts only")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule the next step while the current one runs (default: on for CUDA)")
+    g.add_argument("--mamba-cache-mode", default="none", choices=MAMBA_CACHE_MODE_CHOICES,
+                   help="hybrid models: 'align' caches recurrent states at step ends on multiples of "
+                        "--mamba-block-size (the default with prefix caching; 'all' falls back to it)")
+    g.add_argument("--mamba-block-size", type=int, default=None,
+                   help="hybrid prefix caching: tokens between state snapshots (a multiple of --block-size)")
 
 
 def _llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -44,7 +55,8 @@ def _llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "model tokenizer dtype kv_cache_dtype block_size max_model_len max_num_seqs "
         "max_num_batched_tokens enable_prefix_caching enable_chunked_prefill kv_cache_memory "
         "gpu_memory_utilization num_gpu_blocks_override seed device attention_backend enforce_eager "
-        "max_cudagraph_capture_size load_format skip_tokenizer_init async_scheduling"
+        "max_cudagraph_capture_size load_format skip_tokenizer_init async_scheduling mamba_cache_mode "
+        "mamba_block_size"
     ).split()
     return {k: getattr(args, k) for k in keys}
 

@@ -83,7 +83,31 @@ def log_plan(
     )
 
 
-def log_state_pool(specs: list, num_slots: int, device: torch.device) -> None:
+def snapshot_interval(spec: KVCacheSpec, state_bytes_per_layer: int, override: int | None) -> int:
+    """Tokens between recurrent-state snapshots (hybrid prefix caching): ``--mamba-block-size``, else
+    vLLM's hit granularity, the smallest multiple of the block size whose attention page (one layer)
+    holds at least one GDN layer's state (784 tokens on Qwen3.6-27B with bf16 KV, 1,568 with fp8)."""
+    if override is not None:
+        if override <= 0 or override % spec.block_size:
+            raise ValueError(
+                f"mamba_block_size ({override}) must be a positive multiple of block_size ({spec.block_size})."
+            )
+        return override
+    per_token = spec.page_bytes // spec.block_size
+    tokens = -(-state_bytes_per_layer // per_token)
+    return max(1, -(-tokens // spec.block_size)) * spec.block_size
+
+
+def num_snapshot_slots(max_num_seqs: int, bytes_per_sequence: int, budget_bytes: int | None) -> int:
+    """Snapshot slots for hybrid prefix caching: one per running sequence, at most a quarter of the
+    memory budget left after the live states (GPU); 0 when not even one fits."""
+    if budget_bytes is None:
+        return max_num_seqs
+    return max(0, min(max_num_seqs, budget_bytes // 4 // max(1, bytes_per_sequence)))
+
+
+def log_state_pool(specs: list, num_slots: int, device: torch.device, num_snapshots: int = 0,
+                   interval: int = 0) -> None:
     """The recurrent-state pool of a hybrid model (``runner/state_pool.py``), next to the KV log."""
     per_seq = sum(spec.bytes_per_sequence for spec in specs)
     conv_shapes = sorted({spec.conv_shape for spec in specs})
@@ -94,3 +118,8 @@ def log_state_pool(specs: list, num_slots: int, device: torch.device) -> None:
         "GPU" if device.type == "cuda" else "CPU", len(specs), conv_shapes, ssm_shapes, per_seq / (1 << 20),
         num_slots, num_slots * per_seq / (1 << 30),
     )
+    if num_snapshots:
+        logger.info(
+            "Prefix caching for hybrid models: %d state snapshot slots (%.2f GiB), a snapshot every %d tokens",
+            num_snapshots, num_snapshots * per_seq / (1 << 30), interval,
+        )

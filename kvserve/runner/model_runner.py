@@ -107,12 +107,26 @@ class ModelRunner:
             StateSpec(*layer.state_shapes(), conv_bytes_per_elem=torch.empty((), dtype=mc.dtype).element_size())
             for layer in self.gdn_layers
         ]
-        state_bytes = num_slots * sum(spec.bytes_per_sequence for spec in state_specs)
-        if self.device.type == "cuda" and cc.kv_cache_memory is None:
+        per_seq = sum(spec.bytes_per_sequence for spec in state_specs)
+        state_bytes = num_slots * per_seq
+        gpu_budget = self.device.type == "cuda" and cc.kv_cache_memory is None
+        if gpu_budget:
             budget = memory.gpu_kv_budget(cc.gpu_memory_utilization, self._profile_peak_bytes(), self.device)
             budget -= state_bytes
         else:
             budget = int(cc.kv_cache_memory or 0)
+        # hybrid prefix caching ('align'): snapshot slots after the live ones, a snapshot every
+        # ``snapshot_interval`` tokens (the KV manager keys them by block hash)
+        self.num_snapshot_slots, self.snapshot_interval = 0, 0
+        if state_specs and cc.mamba_cache_mode == "align":
+            self.snapshot_interval = memory.snapshot_interval(
+                self.kv_spec, state_specs[0].bytes_per_sequence, cc.mamba_block_size
+            )
+            self.num_snapshot_slots = memory.num_snapshot_slots(num_slots, per_seq, budget if gpu_budget else None)
+            if self.num_snapshot_slots == 0:
+                logger.warning("Prefix caching is disabled: not one recurrent-state snapshot fits in memory.")
+            if gpu_budget:
+                budget -= self.num_snapshot_slots * per_seq
         cc.num_blocks = memory.plan_num_blocks(self.kv_spec, budget, mc.max_model_len, cc.num_gpu_blocks_override)
         memory.log_plan(self.kv_spec, cc.num_blocks, mc.max_model_len, self.device, self.kv_dtype.name)
         self.backend = config.runner_config.attention_backend
@@ -139,14 +153,15 @@ class ModelRunner:
         self.state_pool: StatePool | None = None
         if self.gdn_layers:
             self.state_pool = StatePool(num_slots)
+            rows = num_slots + self.num_snapshot_slots  # snapshot slot i is row num_slots + i
             for layer in self.gdn_layers:
                 conv_shape, ssm_shape = layer.state_shapes()
                 layer.bind_state(
-                    torch.zeros((num_slots, *conv_shape), dtype=mc.dtype, device=self.device),
-                    torch.zeros((num_slots, *ssm_shape), dtype=torch.float32, device=self.device),
+                    torch.zeros((rows, *conv_shape), dtype=mc.dtype, device=self.device),
+                    torch.zeros((rows, *ssm_shape), dtype=torch.float32, device=self.device),
                     self.backend,
                 )
-            memory.log_state_pool(state_specs, num_slots, self.device)
+            memory.log_state_pool(state_specs, num_slots, self.device, self.num_snapshot_slots, self.snapshot_interval)
 
         # one fused Triton kernel for temperature-only batches on CUDA (torch's ops elsewhere)
         self.sampler = Sampler(fused=self.device.type == "cuda")
@@ -273,19 +288,44 @@ class ModelRunner:
         return input_ids, pos_t, meta, logits_idx
 
     def _state_rows(self, sched: SchedulerOutput) -> tuple[list[int], list[bool]]:
-        """Each scheduled sequence's state slot, and whether its state holds earlier tokens."""
+        """Each scheduled sequence's state slot, and whether its state holds earlier tokens; a
+        prefix-cache hit first gets its snapshot copied into its slot."""
         assert self.state_pool is not None
         slots, has_state = [], []
+        restore_src, restore_dst = [], []
         for s in sched.scheduled:
             rid = s.request.request_id
-            if s.num_computed_tokens > 0 and not self.state_pool.holds(rid):
+            if s.restore_state_from is not None:
+                restore_src.append(self.state_pool.num_slots + s.restore_state_from)
+                restore_dst.append(self.state_pool.slot(rid))
+            elif s.num_computed_tokens > 0 and not self.state_pool.holds(rid):
                 raise RuntimeError(
                     f"request {rid!r} resumes at token {s.num_computed_tokens} without a recurrent state "
-                    "(prefix caching must be off for hybrid models)"
+                    "(no live state slot and no snapshot to restore)"
                 )
             slots.append(self.state_pool.slot(rid))
             has_state.append(s.num_computed_tokens > 0)
+        if restore_src:
+            self._copy_state_rows(restore_src, restore_dst)
         return slots, has_state
+
+    def _save_state_snapshots(self, sched: SchedulerOutput) -> None:
+        """After the step: copy the states of the sequences whose step ended on a snapshot position."""
+        assert self.state_pool is not None
+        src, dst = [], []
+        for s in sched.scheduled:
+            if s.save_state_to is not None:
+                src.append(self.state_pool.slot(s.request.request_id))
+                dst.append(self.state_pool.num_slots + s.save_state_to)
+        if src:
+            self._copy_state_rows(src, dst)
+
+    def _copy_state_rows(self, src: list[int], dst: list[int]) -> None:
+        """Copy conv and SSM state rows ``src`` -> ``dst`` in every GDN layer (queued on the stream)."""
+        src_t, dst_t = rows_to_device((src, dst), torch.long, self.device)
+        for layer in self.gdn_layers:
+            layer.conv_state.index_copy_(0, dst_t, layer.conv_state.index_select(0, src_t))
+            layer.ssm_state.index_copy_(0, dst_t, layer.ssm_state.index_select(0, src_t))
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> tuple[dict[str, SampleResult], dict[str, PromptLogprobRows]]:
@@ -347,6 +387,8 @@ class ModelRunner:
             hidden = self.graphs.run(input_ids, positions, meta)
         else:
             hidden = self.model(input_ids, positions, meta)
+        if self.num_snapshot_slots:
+            self._save_state_snapshots(sched)
         prompt_lps = self._prompt_logprobs(sched, hidden) if prompt_logprobs else {}
         sampling = [s for s in sched.scheduled if s.samples]
         return hidden, logits_idx, sampling, prompt_lps
