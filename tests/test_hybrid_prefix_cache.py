@@ -103,6 +103,31 @@ def test_concurrent_prefix_sharing_chunked_and_preempted(make_tiny_model, async_
     check_idle(llm)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_abort_drops_the_snapshot_of_its_unconfirmed_step(make_tiny_model, async_scheduling, one_thread):
+    """A request aborted right after the step that snapshots its state at 32 (with async scheduling,
+    while that step may still be in flight): later requests with the same prefix do not resume from
+    that snapshot, nor from each other's within one step, and their tokens are transformers'."""
+    folder = make_tiny_model("qwen3_5", seed=5)
+    a, b = _conversation(9)
+    engine = _llm(folder, async_scheduling=async_scheduling).llm_engine
+    engine.add_request("a", {"prompt_token_ids": a}, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    engine.step()
+    assert engine.kv_manager.snapshots._pending  # the step cut at 32 reserved a snapshot
+    engine.abort_request("a")
+    for rid in ("b1", "b2"):  # admitted in one step: b2 cannot read b1's snapshot, still pending
+        engine.add_request(rid, {"prompt_token_ids": b}, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    outs = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outs[o.request_id] = o
+    assert outs["b1"].num_cached_tokens == outs["b2"].num_cached_tokens == 0
+    want = hf_greedy(folder, [b], (8,))[0][0]
+    assert list(outs["b1"].outputs[0].token_ids) == list(outs["b2"].outputs[0].token_ids) == want
+    engine.kv_manager.snapshots.check_invariants()
+    assert engine.runner.state_pool.num_free == engine.runner.state_pool.num_slots
+
+
 @skip_without_triton_device()
 def test_triton_backend_prefix_hit_gives_the_reference_tokens(make_tiny_model, one_thread):
     """The Triton GDN kernels start from a restored snapshot: tokens equal the reference backend's."""
