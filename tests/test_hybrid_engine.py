@@ -57,9 +57,7 @@ def _kvserve(folder, prompts, **kw) -> tuple[list[list[int]], list[list[float]],
 def check_idle(llm: LLM) -> None:
     """No block, state slot or pending snapshot is held once every request has finished."""
     engine = llm.llm_engine
-    engine.kv_manager.check_invariants()
-    if engine.kv_manager.snapshots is not None:
-        engine.kv_manager.snapshots.check_invariants()
+    engine.kv_manager.check_invariants()  # snapshot slots included
     pool = engine.runner.state_pool
     assert pool is not None
     pool.check_invariants()

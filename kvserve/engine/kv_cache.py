@@ -124,6 +124,9 @@ class KVCacheManager:
         # in the same step hit them). Until the next step begins they are "unconfirmed": should
         # that step fail, ``uncache_unconfirmed`` takes them out again.
         self._unconfirmed: dict[str, list[KVBlock]] = {}
+        # hybrid models: snapshot slots being written by the step not yet confirmed, per request,
+        # with the token count their prefix ends at (its hash is taken when the step is confirmed)
+        self._snapshots_in_flight: dict[str, list[tuple[Request, int, int]]] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
 
@@ -214,16 +217,28 @@ class KVCacheManager:
         """The previous step ran to completion: the blocks it cached hold valid K/V (and the
         snapshots it took, valid states)."""
         self._unconfirmed.clear()
-        if self.snapshots is not None:
-            self.snapshots.confirm()
+        if self._snapshots_in_flight:
+            for entries in self._snapshots_in_flight.values():
+                for request, end, slot in entries:
+                    self._publish_snapshot(request, end, slot)
+            self._snapshots_in_flight.clear()
+
+    def _publish_snapshot(self, request: Request, end: int, slot: int) -> None:
+        assert self.snapshots is not None
+        if len(request.all_token_ids) < end:  # cannot happen: the step's input tokens are known now
+            self.snapshots.release(slot)
+            return
+        self._update_block_hashes(request)
+        self.snapshots.publish(request.block_hashes[end // self.block_size - 1], slot)
 
     def uncache_unconfirmed(self, request: Request) -> None:
         """Take the blocks this request cached for the step not yet confirmed out of the prefix
         cache (the step may never have written them). Call before ``free``."""
         for block in self._unconfirmed.pop(request.request_id, []):
             self.pool.uncache(block)
-        if self.snapshots is not None:
-            self.snapshots.drop_pending(request.request_id)
+        for _, _, slot in self._snapshots_in_flight.pop(request.request_id, []):
+            assert self.snapshots is not None
+            self.snapshots.release(slot)
 
     def snapshot_to_restore(self, request: Request, num_hit_tokens: int) -> int | None:
         """The snapshot slot a request admitted with this many cached tokens resumes from."""
@@ -235,12 +250,20 @@ class KVCacheManager:
 
     def snapshot_to_save(self, request: Request, end: int) -> int | None:
         """A snapshot slot for the state a step ending at token ``end`` reaches, when ``end`` is a
-        snapshot position whose tokens are all known and no snapshot of that prefix exists."""
+        snapshot position (and, if its tokens are known, no snapshot of that prefix exists). With
+        async scheduling a decode's input token may still be on the device: the prefix is named
+        when the step is confirmed."""
         snaps = self.snapshots
-        if snaps is None or end % snaps.interval or end > request.num_tokens:
+        if snaps is None or end % snaps.interval:
             return None
-        self._update_block_hashes(request)
-        return snaps.reserve(request.request_id, request.block_hashes[end // self.block_size - 1])
+        if end <= request.num_tokens:
+            self._update_block_hashes(request)
+            if request.block_hashes[end // self.block_size - 1] in snaps:
+                return None
+        slot = snaps.take()
+        if slot is not None:
+            self._snapshots_in_flight.setdefault(request.request_id, []).append((request, end, slot))
+        return slot
 
     def align_prefill(self, request: Request, num_computed: int, num_new: int) -> int:
         """'align' mode (vLLM's Mamba chunk alignment): cut a prefill step so that it ends on a
@@ -277,11 +300,16 @@ class KVCacheManager:
         if not self.pool.reset_prefix_cache():
             return False
         if self.snapshots is not None:
+            self._snapshots_in_flight.clear()
             self.snapshots.reset()
         return True
 
     def check_invariants(self) -> None:
         """Every reference is accounted for; used by tests."""
+        if self.snapshots is not None:
+            self.snapshots.check_invariants()
+            in_flight = [slot for entries in self._snapshots_in_flight.values() for _, _, slot in entries]
+            assert sorted(in_flight) == sorted(self.snapshots._taken), "snapshot slots in flight out of step"
         counts = [0] * self.pool.num_blocks
         assert self._block_ids.keys() == self.req_to_blocks.keys()
         for rid, blocks in self.req_to_blocks.items():
