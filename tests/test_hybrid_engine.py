@@ -141,6 +141,24 @@ def test_state_pool_never_leaks_or_shares(ops):
             pool.slot(f"x{i}")
 
 
+def test_gpu_state_slots_fit_half_the_budget_on_the_27b(kvlog):
+    """vLLM's H200 default of 1,024 sequences does not fit the 27B's states (146.8 MiB each): the
+    live slots (and max_num_seqs) are lowered to what fits in half the budget, with a warning."""
+    from pathlib import Path
+
+    from kvserve.runner import memory
+    from kvserve.tools.traffic import model_shape
+
+    per_seq = model_shape(str(Path(__file__).resolve().parents[1] / "benchmarks/configs/qwen3.6-27b")).state_bytes
+    assert round(per_seq / (1 << 20), 1) == 146.8
+    gib = 1 << 30
+    assert memory.num_state_slots(1024, per_seq, 70 * gib) == 35 * gib // per_seq == 244
+    assert kvlog.count("max_num_seqs lowered from 1024 to 244") == 1
+    assert memory.num_state_slots(32, per_seq, 70 * gib) == 32
+    with pytest.raises(ValueError, match=r"The recurrent state of one sequence \(146.8 MiB\) does not fit"):
+        memory.num_state_slots(32, per_seq, 200 << 20)
+
+
 @skip_without_triton_device()
 @pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
 def test_hybrid_triton_backend_gives_the_reference_tokens(make_tiny_model, kv, one_thread):

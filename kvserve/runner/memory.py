@@ -98,6 +98,28 @@ def snapshot_interval(spec: KVCacheSpec, state_bytes_per_layer: int, override: i
     return max(1, -(-tokens // spec.block_size)) * spec.block_size
 
 
+def num_state_slots(max_num_seqs: int, bytes_per_sequence: int, budget_bytes: int) -> int:
+    """Live recurrent-state slots on the GPU: one per sequence up to ``max_num_seqs``, in at most
+    half of the memory budget; fewer (with a warning: max_num_seqs is lowered to match) when the
+    states of ``max_num_seqs`` sequences do not fit, e.g. the 27B (147 MiB each) at vLLM's default
+    of 1,024 sequences on an H200."""
+    fit = budget_bytes // 2 // max(1, bytes_per_sequence)
+    if fit < 1:
+        raise ValueError(
+            f"The recurrent state of one sequence ({bytes_per_sequence / (1 << 20):.1f} MiB) does not fit in half "
+            f"of the memory left for caches ({max(budget_bytes, 0) / (1 << 30):.2f} GiB). Try increasing "
+            "`gpu_memory_utilization`."
+        )
+    if fit >= max_num_seqs:
+        return max_num_seqs
+    logger.warning(
+        "max_num_seqs lowered from %d to %d: the recurrent states of %d sequences (%.2f GiB) are what fits in "
+        "half of the %.2f GiB left for caches.",
+        max_num_seqs, fit, fit, fit * bytes_per_sequence / (1 << 30), budget_bytes / (1 << 30),
+    )
+    return fit
+
+
 def num_snapshot_slots(max_num_seqs: int, bytes_per_sequence: int, budget_bytes: int | None) -> int:
     """Snapshot slots for hybrid prefix caching: one per running sequence, at most a quarter of the
     memory budget left after the live states (GPU); 0 when not even one fits."""

@@ -108,11 +108,13 @@ class ModelRunner:
             for layer in self.gdn_layers
         ]
         per_seq = sum(spec.bytes_per_sequence for spec in state_specs)
-        state_bytes = num_slots * per_seq
         gpu_budget = self.device.type == "cuda" and cc.kv_cache_memory is None
         if gpu_budget:
             budget = memory.gpu_kv_budget(cc.gpu_memory_utilization, self._profile_peak_bytes(), self.device)
-            budget -= state_bytes
+            if state_specs:  # the live states come first, at most half the budget (fewer sequences if need be)
+                num_slots = memory.num_state_slots(num_slots, per_seq, budget)
+                config.scheduler_config.max_num_seqs = num_slots
+            budget -= num_slots * per_seq
         else:
             budget = int(cc.kv_cache_memory or 0)
         # hybrid prefix caching ('align'): snapshot slots after the live ones, a snapshot every
