@@ -1,5 +1,6 @@
 """The pre-norm residual decoder layer shared by every model: ``h = x + mix(norm1(x))``,
-``y = h + ffn(norm2(h))``, with the residual add fused into the next norm (``norm(x, residual)``)."""
+``y = h + ffn(norm2(h))``, with the residual add fused into the next norm (``norm(x, residual)``);
+and the stack of them between the embedding and the final norm."""
 
 from __future__ import annotations
 
@@ -25,3 +26,15 @@ class PreNormDecoderLayer(nn.Module):
         x = self.mix(positions, x, meta)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
+
+
+class DecoderStack(nn.Module):
+    """Embedding -> pre-norm decoder layers -> final norm. Subclasses set ``embed_tokens``,
+    ``layers`` (of ``PreNormDecoderLayer``) and ``norm``."""
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, meta)
+        x, _ = self.norm(x, residual)
+        return x

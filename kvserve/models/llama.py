@@ -5,15 +5,15 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvserve.layers.attention import Attention, AttentionMetadata
-from kvserve.layers.decoder import PreNormDecoderLayer
+from kvserve.layers.decoder import DecoderStack, PreNormDecoderLayer
 from kvserve.layers.mlp import SwiGLUMLP
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.rotary import RotaryEmbedding, rope_parameters
 from kvserve.loader.weights import WeightLoader
+from kvserve.models.causal_lm import CausalLM
 
 
 class LlamaAttentionBlock(nn.Module):
@@ -68,7 +68,7 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
         return self.self_attn(positions, x, meta)
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(DecoderStack):
     def __init__(self, cfg: Any, architecture: str):
         super().__init__()
         head_size = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -78,13 +78,6 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(cfg, architecture, i, rope) for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual, meta)
-        x, _ = self.norm(x, residual)
-        return x
 
 
 def sliding_window_layers(cfg: Any) -> list[int]:
@@ -111,16 +104,8 @@ def check_supported(cfg: Any) -> None:
         )
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     """Decoder + LM head; weights load by Hugging Face name (q/k/v and gate/up are fused here)."""
-
-    stacked_params = {
-        "q_proj": ("qkv_proj", 0),
-        "k_proj": ("qkv_proj", 1),
-        "v_proj": ("qkv_proj", 2),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-    }
 
     def __init__(self, cfg: Any, architecture: str):
         super().__init__()
@@ -133,13 +118,6 @@ class LlamaForCausalLM(nn.Module):
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, meta)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         loader = WeightLoader(self, self.stacked_params)

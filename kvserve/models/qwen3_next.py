@@ -21,12 +21,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.layers.attention import Attention, AttentionMetadata
-from kvserve.layers.decoder import PreNormDecoderLayer
+from kvserve.layers.decoder import DecoderStack, PreNormDecoderLayer
 from kvserve.layers.gdn import GatedDeltaNet
 from kvserve.layers.mlp import SwiGLUMLP
 from kvserve.layers.norm import ZeroCenteredRMSNorm
 from kvserve.layers.rotary import RotaryEmbedding, rope_parameters
 from kvserve.loader.weights import WeightLoader, WeightLoadError
+from kvserve.models.causal_lm import CausalLM
 
 # architecture -> (GDN grouped in_proj_qkvz/in_proj_ba layout, FFN kind: "next" | "dense" | "moe")
 HYBRID_ARCHITECTURES: dict[str, tuple[bool, str]] = {
@@ -238,7 +239,7 @@ class HybridDecoderLayer(PreNormDecoderLayer):
         return self.self_attn(positions, x, meta)
 
 
-class HybridModel(nn.Module):
+class HybridModel(DecoderStack):
     def __init__(self, cfg: Any, grouped: bool, ffn: str):
         super().__init__()
         types = layer_types(cfg)
@@ -250,26 +251,12 @@ class HybridModel(nn.Module):
         )
         self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual, meta)
-        x, _ = self.norm(x, residual)
-        return x
 
-
-class Qwen3NextForCausalLM(nn.Module):
+class Qwen3NextForCausalLM(CausalLM):
     """Hybrid GDN decoder + LM head for every architecture in ``HYBRID_ARCHITECTURES``; weights load
     by Hugging Face name (q/k/v and dense gate/up fused; per-expert or 3-D fused expert tensors)."""
 
     is_hybrid = True
-    stacked_params = {
-        "q_proj": ("qkv_proj", 0),
-        "k_proj": ("qkv_proj", 1),
-        "v_proj": ("qkv_proj", 2),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-    }
 
     def __init__(self, hf_config: Any, architecture: str = "Qwen3NextForCausalLM"):
         super().__init__()
@@ -299,13 +286,6 @@ class Qwen3NextForCausalLM(nn.Module):
     def gdn_layers(self) -> list[GatedDeltaNet]:
         """The Gated DeltaNet mixers, in layer order."""
         return [layer.linear_attn for layer in self.model.layers if layer.kind == "linear_attention"]
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, meta)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, weight)
 
     def _load_expert(self, loader: WeightLoader, m: re.Match, tensor: torch.Tensor, seen: dict) -> None:
         prefix, e, kind = m.group(1), int(m.group(2)), m.group(3)
