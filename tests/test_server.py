@@ -804,3 +804,34 @@ def test_generation_config_supplies_default_sampling_params(tmp_path, kvlog):
     assert (p.temperature, p.top_k, p.max_tokens, p.top_p) == (0.5, 5, 3, 0.95)
     plain = OpenAIServing(_FakeLLM(), "m").sampling_params(CompletionRequest(model="m", prompt="hi"), None, None)
     assert (plain.temperature, plain.top_p, plain.top_k) == (1.0, 1.0, 0)
+
+
+def test_hybrid_model_served_with_prefix_hits(make_tiny_model):
+    """A hybrid GDN model behind the server (async scheduling, 'align' prefix caching by default):
+    a second request sharing 40 prompt tokens resumes from a state snapshot, both give the tokens of
+    an offline engine without prefix caching, and no block, state slot or snapshot is left held."""
+    import torch
+
+    from kvserve import LLM, SamplingParams
+
+    folder = make_tiny_model("qwen3_5")
+    gen = torch.Generator().manual_seed(3)
+    prefix = torch.randint(3, 500, (40,), generator=gen).tolist()
+    prompts = [prefix + [5, 6, 7], prefix + [8, 9]]
+    offline = LLM(str(folder), dtype="float32", device="cpu", kv_cache_memory=KV_MEM, max_model_len=256,
+                  enable_prefix_caching=False)
+    ref = offline.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    srv = ServerThread(folder, api_key=API_KEY, max_model_len=256, async_scheduling=True)
+    try:
+        client = srv.client()
+        for p, o in zip(prompts, ref):
+            r = client.completions.create(model="tiny", prompt=p, max_tokens=8, temperature=0,
+                                          extra_body={"ignore_eos": True, "return_token_ids": True})
+            assert r.choices[0].token_ids == o.outputs[0].token_ids
+        assert srv.engine.kv_manager.prefix_cache_hits == 32
+        srv.wait_idle()
+        pool = srv.engine.runner.state_pool
+        assert pool.num_free == pool.num_slots
+    finally:
+        srv.stop()
