@@ -75,6 +75,26 @@ def test_prefix_hits_resume_from_state_snapshots_and_equal_transformers(make_tin
     check_idle(llm)
 
 
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5"])
+def test_a_shared_prefix_junction_is_snapshotted_for_the_next_request(make_tiny_model, arch, one_thread):
+    """Snapshots every 32 tokens; three prompts share a 48-token prefix (a system prompt). A is
+    cut at 32 (align). B's attention prefix hit reaches 48 but its state hit only 32: B's step is
+    cut at the junction, 48, and snapshotted there, so C resumes at 48 (vLLM's align mode alone
+    would leave C at 32). Every request's tokens and logprobs equal transformers'."""
+    folder = make_tiny_model(arch, seed=7)
+    gen = torch.Generator().manual_seed(7)
+    system = torch.randint(3, 500, (48,), generator=gen).tolist()
+    prompts = [system + torch.randint(3, 500, (n,), generator=gen).tolist() for n in (10, 12, 14)]
+    llm = _llm(folder, mamba_block_size=32)
+    runs = [_run(llm, p, 6) for p in prompts]
+    assert [r[2] for r in runs] == [0, 32, 48]
+    ref_tokens, ref_lps = hf_greedy(folder, prompts, (6, 6, 6))
+    assert [r[0] for r in runs] == ref_tokens
+    for r, want in zip(runs, ref_lps):
+        assert r[1] == pytest.approx(want, abs=1e-4)
+    check_idle(llm)
+
+
 def test_a_hit_without_its_restored_state_is_wrong(make_tiny_model, one_thread, monkeypatch):
     """The control for the test above: the same hit with the snapshot copy turned into a no-op
     (the slot keeps whatever it held) does not give transformers' tokens and logprobs."""
@@ -183,6 +203,14 @@ def test_align_prefill_cuts_steps_like_vllm(computed, new, want):
     kv = KVCacheManager(64, 16, True, StateSnapshotCache(4, 32))
     assert kv.align_prefill(_request(100), computed, new) == want
     assert KVCacheManager(64, 16, True).align_prefill(_request(100), computed, new) == new  # non-hybrid
+
+
+def test_align_prefill_ends_a_step_at_the_prefix_junction():
+    kv = KVCacheManager(64, 16, True, StateSnapshotCache(4, 32))
+    r = _request(100)
+    assert kv.align_prefill(r, 32, 68, junction=48) == 16  # before the align cut at 96
+    assert kv.align_prefill(r, 0, 20, junction=16) == 16
+    assert kv.align_prefill(r, 48, 52, junction=48) == 48  # at the start: the align cut (96) stands
 
 
 def test_hits_stop_at_the_last_snapshot_and_pending_ones_are_invisible():

@@ -158,10 +158,9 @@ class KVCacheManager:
                 break
             hits.append(block)
         if self.snapshots is not None:  # hybrid: only a prefix whose end state was snapshotted counts
-            per = self.snapshots.interval // self.block_size
-            n = len(hits) // per * per
+            n = len(hits)
             while n > 0 and self.snapshots.lookup(request.block_hashes[n - 1]) is None:
-                n -= per
+                n -= 1
             del hits[n:]
         self.prefix_cache_queries += request.num_tokens
         self.prefix_cache_hits += len(hits) * self.block_size
@@ -248,13 +247,24 @@ class KVCacheManager:
         assert slot is not None, "a hybrid prefix hit without its state snapshot"
         return slot
 
-    def snapshot_to_save(self, request: Request, end: int) -> int | None:
+    def prefix_junction(self, request: Request, num_hit_tokens: int) -> int | None:
+        """Where a hybrid request's cached attention prefix ends when it goes past its state hit
+        (``num_hit_tokens``): the point where this prompt leaves one seen before, e.g. the end of a
+        shared system prompt. A snapshot there lets the next request sharing it resume there."""
+        if self.snapshots is None or request.sampling_params.prompt_logprobs is not None:
+            return None
+        n, max_blocks = num_hit_tokens // self.block_size, (request.num_tokens - 1) // self.block_size
+        while n < max_blocks and self.pool.lookup(request.block_hashes[n]) is not None:
+            n += 1
+        return n * self.block_size if n * self.block_size > num_hit_tokens else None
+
+    def snapshot_to_save(self, request: Request, end: int, junction: int | None = None) -> int | None:
         """A snapshot slot for the state a step ending at token ``end`` reaches, when ``end`` is a
-        snapshot position (and, if its tokens are known, no snapshot of that prefix exists). With
-        async scheduling a decode's input token may still be on the device: the prefix is named
-        when the step is confirmed."""
+        snapshot position or the request's prefix junction (and, if its tokens are known, no
+        snapshot of that prefix exists). With async scheduling a decode's input token may still be
+        on the device: the prefix is named when the step is confirmed."""
         snaps = self.snapshots
-        if snaps is None or end % snaps.interval:
+        if snaps is None or (end % snaps.interval and end != junction):
             return None
         if end <= request.num_tokens:
             self._update_block_hashes(request)
@@ -265,20 +275,23 @@ class KVCacheManager:
             self._snapshots_in_flight.setdefault(request.request_id, []).append((request, end, slot))
         return slot
 
-    def align_prefill(self, request: Request, num_computed: int, num_new: int) -> int:
+    def align_prefill(self, request: Request, num_computed: int, num_new: int, junction: int | None = None) -> int:
         """'align' mode (vLLM's Mamba chunk alignment): cut a prefill step so that it ends on a
         snapshot position; the last whole interval of the known tokens ends a step of its own,
-        the tail after it runs in the next one. A step too short to reach a position is kept."""
+        the tail after it runs in the next one. A step too short to reach a position is kept.
+        A prefix junction inside the step ends it there (so it can be snapshotted)."""
         if self.snapshots is None:
             return num_new
         interval, end = self.snapshots.interval, num_computed + num_new
         last = request.num_tokens // interval * interval
         if end < last:
             aligned = end // interval * interval
-            return aligned - num_computed if aligned > num_computed else num_new
-        if num_computed < last < end:
-            return last - num_computed
-        return num_new
+            end = aligned if aligned > num_computed else end
+        elif num_computed < last < end:
+            end = last
+        if junction is not None and num_computed < junction < end:
+            end = junction
+        return end - num_computed
 
     def free(self, request: Request) -> None:
         """Release all of a request's blocks, tail first (so a prefix outlives its suffix in the cache)."""

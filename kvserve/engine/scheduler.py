@@ -78,7 +78,7 @@ class Scheduler:
         self.kv.confirm_cached_blocks()
         budget = cfg.max_num_batched_tokens
         out = SchedulerOutput()
-        plan: list[tuple[Request, int, int, int | None]] = []
+        plan: list[tuple[Request, int, int, int | None, int | None]] = []
         hybrid_caching = self.kv.snapshots is not None  # steps end on state-snapshot positions
 
         # 1. Running requests, in order; the last one is preempted when blocks run out.
@@ -98,7 +98,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                plan.append((req, req.num_computed_tokens, num_new, None))
+                plan.append((req, req.num_computed_tokens, num_new, None, None))
                 budget -= num_new
                 i += 1
                 continue
@@ -114,7 +114,8 @@ class Scheduler:
                 num_new = req.num_tokens - num_hit_tokens
                 if num_new > budget and not cfg.enable_chunked_prefill:
                     break
-                num_new = self.kv.align_prefill(req, num_hit_tokens, min(num_new, budget))
+                junction = self.kv.prefix_junction(req, num_hit_tokens) if hybrid_caching else None
+                num_new = self.kv.align_prefill(req, num_hit_tokens, min(num_new, budget), junction)
                 if not self.kv.allocate_slots(req, num_new, hits):
                     break
                 self.waiting.popleft()
@@ -123,15 +124,15 @@ class Scheduler:
                 req.num_computed_tokens = num_hit_tokens
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
-                plan.append((req, num_hit_tokens, num_new, self.kv.snapshot_to_restore(req, num_hit_tokens)))
+                plan.append((req, num_hit_tokens, num_new, self.kv.snapshot_to_restore(req, num_hit_tokens), junction))
                 budget -= num_new
 
-        for req, num_computed, num_new, restore in plan:
+        for req, num_computed, num_new, restore, junction in plan:
             end = num_computed + num_new
             samples = end == req.num_tokens + req.num_pending
             out.scheduled.append(ScheduledRequest(
                 req, num_computed, num_new, self.kv.block_ids_view(req.request_id), samples,
-                restore, self.kv.snapshot_to_save(req, end) if hybrid_caching else None,
+                restore, self.kv.snapshot_to_save(req, end, junction) if hybrid_caching else None,
             ))
             req.num_computed_tokens = end
         return out
