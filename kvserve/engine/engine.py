@@ -13,9 +13,9 @@ from kvserve.engine.kv_cache import KVCacheManager
 from kvserve.engine.outputs import RequestOutput, RequestState
 from kvserve.engine.parallel_sampling import ParentRequest
 from kvserve.engine.request import Request, RequestStatus
-from kvserve.engine.state_cache import StateSnapshotCache
 from kvserve.engine.sampling import SamplingParams
 from kvserve.engine.scheduler import Scheduler, SchedulerOutput
+from kvserve.engine.state_cache import StateSnapshotCache
 from kvserve.logger import init_logger
 
 if TYPE_CHECKING:
