@@ -197,9 +197,9 @@ def test_hybrid_kv_scales_load_from_image_text_checkpoint_names(make_tiny_model,
 
 
 def test_traffic_counts_the_state_the_engine_allocates(make_tiny_model):
-    """``kvserve traffic``'s recurrent-state bytes per sequence and KV bytes per token are what the
-    engine allocates for the same checkpoint (served in bf16)."""
-    from kvserve.tools.traffic import model_shape
+    """``kvserve traffic``'s recurrent-state bytes per sequence, KV bytes per token and state
+    snapshot interval are what the engine allocates and uses for the same checkpoint (bf16)."""
+    from kvserve.tools.traffic import model_shape, traffic
 
     folder = make_tiny_model("qwen3_next")
     llm = LLM(str(folder), dtype="bfloat16", max_num_seqs=3, kv_cache_memory=1 << 22)
@@ -210,6 +210,7 @@ def test_traffic_counts_the_state_the_engine_allocates(make_tiny_model):
     assert shape.state_bytes == per_seq
     page = runner.kv_caches[0]
     assert shape.kv_bytes_per_token(page.element_size()) == sum(c[0].numel() * c.element_size() for c in runner.kv_caches) // page.shape[2]
+    assert traffic(shape, 64, 8).bf16.snapshot_interval == llm.llm_engine.kv_manager.snapshots.interval
 
 
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])

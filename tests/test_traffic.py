@@ -218,6 +218,20 @@ def test_cli_json_is_one_object_with_integer_bytes(capsys):
     assert d["bf16"]["decode_last"]["kv_read"] == 64 * 2048 * 65536
 
 
+def test_hybrid_snapshot_interval_is_vllms_and_doubles_with_fp8(capsys):
+    """Hybrid prefix caching: a state snapshot every 784 tokens with bf16 pages, 1,568 with fp8 (the
+    granularity vLLM logs for the 27B), each snapshot 3x the KV bytes of its interval; none for a
+    model without recurrent state."""
+    r = traffic(model_shape("qwen3.6-27b"), 1024, 16, 1)
+    assert (r.bf16.snapshot_interval, r.fp8.snapshot_interval) == (784, 1568)
+    assert traffic(model_shape("llama-3.1-8b"), 1024, 16, 1).fp8.snapshot_interval == 0
+    assert run(_cli("--model", "qwen3.6-27b", "--input-len", "1024", "--output-len", "16")) == 0
+    out = capsys.readouterr().out
+    assert "tokens between state snapshots" in out and "1,568" in out and "3.00" in out
+    assert run(_cli("--model", "llama-3.1-8b", "--input-len", "1024", "--output-len", "16")) == 0
+    assert "state snapshots" not in capsys.readouterr().out
+
+
 def test_worked_example_qwen36_27b_isl_1024():
     r = traffic(model_shape("qwen3.6-27b"), 1024, 1024, 1, "fp8")
     p = r.bf16.prefill

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.config import CacheConfig, ModelConfig
+from kvserve.engine.state_cache import snapshot_interval_tokens
 from kvserve.logger import init_logger
 
 logger = init_logger(__name__)
@@ -93,9 +94,7 @@ def snapshot_interval(spec: KVCacheSpec, state_bytes_per_layer: int, override: i
                 f"mamba_block_size ({override}) must be a positive multiple of block_size ({spec.block_size})."
             )
         return override
-    per_token = spec.page_bytes // spec.block_size
-    tokens = -(-state_bytes_per_layer // per_token)
-    return max(1, -(-tokens // spec.block_size)) * spec.block_size
+    return snapshot_interval_tokens(state_bytes_per_layer, spec.page_bytes // spec.block_size, spec.block_size)
 
 
 def num_state_slots(max_num_seqs: int, bytes_per_sequence: int, budget_bytes: int) -> int:

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from kvserve.choices import KV_CACHE_DTYPE_CHOICES as KV_CACHE_DTYPES
+from kvserve.engine.state_cache import snapshot_interval_tokens
 
 KV_ELEM_BYTES = {"bf16": 2, "fp8": 1}
 DEFAULT_BANDWIDTH = 4.1e12  # B/s, H200 device-to-device copy (DESIGN.md section 6)
@@ -214,6 +215,7 @@ class DtypeTraffic:
     request_prefill_kv_read: int
     request_decode_kv_read: int
     request_kv_resident: int  # pages held at the end (block_size granularity)
+    snapshot_interval: int  # hybrid prefix caching: tokens between state snapshots (0: not hybrid)
     prefill: StepBytes
     decode_mean: StepBytes
     decode_last: StepBytes
@@ -314,14 +316,20 @@ def traffic(shape: ModelShape, input_len: int, output_len: int, concurrency: int
     resident_tokens = math.ceil((I + O) / block_size) * block_size
     W, S = shape.weight_bytes, shape.state_bytes
 
+    n_state_layers = shape.num_layers - shape.num_attention_layers
+
     def one(elem: int) -> DtypeTraffic:
         kv = shape.kv_bytes_per_token(elem)
+        interval = 0
+        if S and n_state_layers:
+            interval = snapshot_interval_tokens(S // n_state_layers, kv // shape.num_attention_layers, block_size)
         return DtypeTraffic(
             kv_bytes_per_token=kv,
             request_kv_write=(I + O) * kv,
             request_prefill_kv_read=read_tokens * kv,
             request_decode_kv_read=(O * I + O * (O + 1) // 2) * kv,
             request_kv_resident=resident_tokens * kv,
+            snapshot_interval=interval,
             prefill=StepBytes(chunks * W, I * kv, read_tokens * kv, (2 * chunks - 1) * S, I),
             # mean context I + (O + 1) / 2; kv is even, so the product is an integer
             decode_mean=StepBytes(W, N * kv, N * (2 * I + O + 1) * kv // 2, 2 * N * S, N),
@@ -374,6 +382,11 @@ def format_report(r: TrafficReport) -> str:
     row("  KV read by prefill attention", b.request_prefill_kv_read, q.request_prefill_kv_read)
     row("  KV read by decode attention", b.request_decode_kv_read, q.request_decode_kv_read)
     row(f"  KV resident ({r.block_size}-token pages)", b.request_kv_resident, q.request_kv_resident)
+    if s.state_bytes:
+        rows.append(("prefix caching (align mode)", "", "", ""))
+        row("  tokens between state snapshots", b.snapshot_interval, q.snapshot_interval, lambda x: f"{x:,}")
+        row("  snapshot bytes / KV bytes of an interval", s.state_bytes / (b.snapshot_interval * b.kv_bytes_per_token),
+            s.state_bytes / (q.snapshot_interval * q.kv_bytes_per_token), lambda x: f"{x:.2f}", "")
     chunks = math.ceil(r.input_len / r.prefill_chunk)
     section(f"prefill (1 request, {r.input_len} tokens, {chunks} chunk{'s' * (chunks > 1)})", "prefill")
     mean_ctx = r.input_len + (r.output_len + 1) / 2
