@@ -8,6 +8,7 @@ attention kernels; CUDA, or the Triton interpreter)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -45,6 +46,14 @@ class AttentionMetadata:
         if self._plan is None:
             self._plan = reference.plan_attention(self.block_tables, self.query_lens, self.seq_lens, self.block_size)
         return self._plan
+
+
+def head_geometry(cfg: Any) -> tuple[int, int, int]:
+    """(query heads, KV heads, head size) of a Hugging Face config: ``num_key_value_heads``
+    defaults to the query heads, ``head_dim`` to hidden_size / heads."""
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    return heads, kv_heads, getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
 
 
 class Attention(nn.Module):

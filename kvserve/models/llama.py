@@ -7,7 +7,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from kvserve.layers.attention import Attention, AttentionMetadata
+from kvserve.layers.attention import Attention, AttentionMetadata, head_geometry
 from kvserve.layers.decoder import DecoderStack, PreNormDecoderLayer
 from kvserve.layers.mlp import SwiGLUMLP
 from kvserve.layers.norm import RMSNorm
@@ -19,9 +19,7 @@ from kvserve.models.causal_lm import CausalLM
 class LlamaAttentionBlock(nn.Module):
     def __init__(self, cfg: Any, architecture: str, layer_idx: int, rope: RotaryEmbedding):
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
-        self.head_size = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.num_heads, self.num_kv_heads, self.head_size = head_geometry(cfg)
         self.q_size = self.num_heads * self.head_size
         self.kv_size = self.num_kv_heads * self.head_size
         bias = architecture == "Qwen2ForCausalLM" or bool(getattr(cfg, "attention_bias", False))
@@ -71,7 +69,7 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
 class LlamaModel(DecoderStack):
     def __init__(self, cfg: Any, architecture: str):
         super().__init__()
-        head_size = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        head_size = head_geometry(cfg)[2]
         rope = RotaryEmbedding(head_size, cfg.max_position_embeddings, rope_parameters(cfg))
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.layers.attention import Attention, AttentionMetadata
+from kvserve.layers.attention import Attention, AttentionMetadata, head_geometry
 from kvserve.layers.decoder import DecoderStack, PreNormDecoderLayer
 from kvserve.layers.gdn import GatedDeltaNet
 from kvserve.layers.mlp import SwiGLUMLP
@@ -132,9 +132,7 @@ class GatedAttentionBlock(nn.Module):
 
     def __init__(self, cfg: Any, layer_idx: int, rope: RotaryEmbedding):
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
-        self.head_size = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.num_heads, self.num_kv_heads, self.head_size = head_geometry(cfg)
         self.q_size = self.num_heads * self.head_size
         self.kv_size = self.num_kv_heads * self.head_size
         bias = bool(getattr(cfg, "attention_bias", False))
@@ -243,7 +241,7 @@ class HybridModel(DecoderStack):
     def __init__(self, cfg: Any, grouped: bool, ffn: str):
         super().__init__()
         types = layer_types(cfg)
-        head_size = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        head_size = head_geometry(cfg)[2]
         rope = _rotary(cfg, head_size)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
