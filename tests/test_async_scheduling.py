@@ -155,10 +155,10 @@ def test_async_scheduling_resolution(tiny):
 
 
 def test_async_scheduling_flag():
-    from kvserve.entrypoints.cli import _add_engine_args
+    from kvserve.arg_utils import add_engine_args
 
     p = argparse.ArgumentParser()
-    _add_engine_args(p)
+    add_engine_args(p)
     assert p.parse_args([]).async_scheduling is None
     assert p.parse_args(["--async-scheduling"]).async_scheduling is True
     assert p.parse_args(["--no-async-scheduling"]).async_scheduling is False

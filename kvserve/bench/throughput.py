@@ -54,6 +54,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Callable
 
+from kvserve.arg_utils import add_engine_args, engine_kwargs
+
 NANO_VLLM_NUM_SEQS = 256
 NANO_VLLM_LENGTHS = (100, 1024, 1024)  # min length, max input length, max output length
 NANO_VLLM_MAX_TOKEN_ID = 10000  # randint(0, 10000): inclusive
@@ -670,9 +672,9 @@ def _kv_list(text: str) -> list[str]:
     return vals
 
 
-def add_parser(bench_subparsers: Any, add_engine_args: Callable[[argparse.ArgumentParser], None]) -> argparse.ArgumentParser:
-    """``kvserve bench throughput``; the engine flags come from ``add_engine_args`` (the CLI's), and
-    ``--kv-cache-dtype`` is replaced by a list (conflict_handler='resolve')."""
+def add_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
+    """``kvserve bench throughput``: the engine flags (``arg_utils.add_engine_args``), with
+    ``--kv-cache-dtype`` replaced by a list (conflict_handler='resolve')."""
     p = bench_subparsers.add_parser(
         "throughput", conflict_handler="resolve",
         help="offline throughput grid (like `vllm bench throughput`): kv dtypes x concurrency x ISL/OSL",
@@ -707,8 +709,6 @@ def add_parser(bench_subparsers: Any, add_engine_args: Callable[[argparse.Argume
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from kvserve.entrypoints.cli import _llm_kwargs
-
     if args.plot:
         from kvserve.bench.plot import check_plot_path
 
@@ -719,7 +719,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--num-warmup {args.num_warmup} is invalid: expected an integer >= 0")
     workloads = make_workloads(args.dataset, args.num_prompts, args.input_len, args.output_len, args.dataset_seed,
                                tuple(args.nano_vllm_lengths))
-    kw = _llm_kwargs(args)
+    kw = engine_kwargs(args)
     kw.pop("kv_cache_dtype")
     concurrencies: list[int | None] = list(args.concurrency) if args.concurrency else [kw.pop("max_num_seqs")]
     kw.pop("max_num_seqs", None)

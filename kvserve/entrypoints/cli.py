@@ -7,58 +7,7 @@ import json
 import sys
 from typing import Any
 
-from kvserve.choices import (
-    ATTENTION_BACKEND_CHOICES,
-    DTYPE_CHOICES,
-    KV_CACHE_DTYPE_CHOICES,
-    LOAD_FORMAT_CHOICES,
-    MAMBA_CACHE_MODE_CHOICES,
-)
-
-
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="local HF checkpoint folder (default: SmolLM2-135M-Instruct)")
-    g.add_argument("--tokenizer", default=None)
-    g.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
-    g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES)
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=None)
-    g.add_argument("--max-num-batched-tokens", type=int, default=None)
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes (CPU default: VLLM_CPU_KVCACHE_SPACE GiB or 4 GiB)")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--num-gpu-blocks-override", type=int, default=None)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--device", default="auto")
-    g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKEND_CHOICES,
-                   help="auto: triton on CUDA, reference on CPU")
-    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode batches")
-    g.add_argument("--max-cudagraph-capture-size", type=int, default=None,
-                   help="largest decode batch captured as a CUDA graph (default min(2 x max-num-seqs, 512))")
-    g.add_argument("--load-format", default="auto", choices=LOAD_FORMAT_CHOICES,
-                   help="dummy: random weights (for benchmarks), as vLLM's --load-format dummy")
-    g.add_argument("--skip-tokenizer-init", action="store_true", help="no tokenizer: token-id prompts only")
-    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="schedule the next step while the current one runs (default: on for CUDA)")
-    g.add_argument("--mamba-cache-mode", default="none", choices=MAMBA_CACHE_MODE_CHOICES,
-                   help="hybrid models: 'align' caches recurrent states at step ends on multiples of "
-                        "--mamba-block-size (the default with prefix caching; 'all' falls back to it)")
-    g.add_argument("--mamba-block-size", type=int, default=None,
-                   help="hybrid prefix caching: tokens between state snapshots (a multiple of --block-size)")
-
-
-def _llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    keys = (
-        "model tokenizer dtype kv_cache_dtype block_size max_model_len max_num_seqs "
-        "max_num_batched_tokens enable_prefix_caching enable_chunked_prefill kv_cache_memory "
-        "gpu_memory_utilization num_gpu_blocks_override seed device attention_backend enforce_eager "
-        "max_cudagraph_capture_size load_format skip_tokenizer_init async_scheduling mamba_cache_mode "
-        "mamba_block_size"
-    ).split()
-    return {k: getattr(args, k) for k in keys}
+from kvserve.arg_utils import add_engine_args, engine_kwargs
 
 
 def _sampling_params(args: argparse.Namespace, **overrides: Any) -> Any:
@@ -88,7 +37,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from kvserve import LLM
 
     params = _sampling_params(args)  # validate before loading the model
-    llm = LLM(**_llm_kwargs(args))
+    llm = LLM(**engine_kwargs(args))
     if args.chat:
         prompts = [{"prompt_token_ids": llm.apply_chat_template([{"role": "user", "content": p}])} for p in args.prompt]
     else:
@@ -113,13 +62,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_chat(args: argparse.Namespace) -> int:
     from kvserve.entrypoints.chat import run_chat
 
-    return run_chat(args, _llm_kwargs(args), _sampling_params(args))
+    return run_chat(args, engine_kwargs(args), _sampling_params(args))
 
 
 def cmd_parity(args: argparse.Namespace) -> int:
     from kvserve.tools import parity
 
-    kw = _llm_kwargs(args)
+    kw = engine_kwargs(args)
     bounds = dict(min_agree=args.min_agree, max_p50=args.max_p50, max_p90=args.max_p90)
     if not args.teacher_forced:
         if any(v is not None for v in bounds.values()):
@@ -148,13 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt", nargs="+")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True, help="wrap prompts in the chat template")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
-    _add_engine_args(p)
+    add_engine_args(p)
     _add_sampling_args(p, temperature=0.0)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("chat", help="interactive chat in the terminal (streams tokens)")
     p.add_argument("--system", default=None, help="system message")
-    _add_engine_args(p)
+    add_engine_args(p)
     _add_sampling_args(p, temperature=0.7)
     p.set_defaults(func=cmd_chat)
 
@@ -169,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="teacher-forced bound: least fraction of steps whose top-1 is the reference token (e.g. 0.98)")
     p.add_argument("--max-p50", type=float, default=None, help="teacher-forced bound: largest p50 of |delta logprob|")
     p.add_argument("--max-p90", type=float, default=None, help="teacher-forced bound: largest p90 of |delta logprob|")
-    _add_engine_args(p)
+    add_engine_args(p)
     p.set_defaults(func=cmd_parity)
     from kvserve.bench import add_parser as add_bench_parser
     from kvserve.entrypoints.openai.serve import add_parser as add_serve_parser
@@ -188,7 +137,7 @@ def _add_bench_throughput_parser(sub: Any) -> None:
 
     bench = sub.choices["bench"]
     bench_sub = next(a for a in bench._actions if isinstance(a, argparse._SubParsersAction))
-    add_throughput_parser(bench_sub, _add_engine_args)
+    add_throughput_parser(bench_sub)
 
 
 def main(argv: list[str] | None = None) -> int:

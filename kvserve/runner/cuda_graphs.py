@@ -18,13 +18,13 @@ from kvserve.layers.attention import AttentionMetadata
 from kvserve.logger import init_logger
 
 if TYPE_CHECKING:
-    from kvserve.runner.model_runner import ModelRunner
+    from kvserve.runner.runner_view import RunnerView
 
 logger = init_logger(__name__)
 
 
 class DecodeGraphs:
-    def __init__(self, runner: "ModelRunner", sizes: list[int]) -> None:
+    def __init__(self, runner: "RunnerView", sizes: list[int]) -> None:
         self.runner = runner
         self.sizes = sorted(sizes)
         self.max_size = self.sizes[-1]

@@ -22,7 +22,7 @@ from kvserve.layers.attention import AttentionMetadata
 from kvserve.logger import init_logger
 
 if TYPE_CHECKING:
-    from kvserve.runner.model_runner import ModelRunner
+    from kvserve.runner.runner_view import RunnerView
 
 logger = init_logger(__name__)
 
@@ -38,7 +38,7 @@ def warm_up_token_counts(max_num_batched_tokens: int) -> list[int]:
     return sorted(counts)
 
 
-def _batch(runner: "ModelRunner", query_lens: list[int], num_splits: int | None) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+def _batch(runner: "RunnerView", query_lens: list[int], num_splits: int | None) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """Dummy inputs of one step: sequences with no cached context, slots -1 (no KV writes)."""
     dev, bs = runner.device, runner.block_size
     n = sum(query_lens)
@@ -68,7 +68,7 @@ def _batch(runner: "ModelRunner", query_lens: list[int], num_splits: int | None)
 
 
 @torch.inference_mode()
-def warm_up_kernels(runner: "ModelRunner") -> int:
+def warm_up_kernels(runner: "RunnerView") -> int:
     """Run the warm-up forwards (see the module docstring); returns how many ran."""
     t0 = time.perf_counter()
     sc, mc = runner.config.scheduler_config, runner.config.model_config

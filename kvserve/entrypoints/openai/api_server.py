@@ -135,6 +135,3 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
 
     return app
 
-
-# the `serve` subcommand lives in the torch-free module serve.py; re-exported here
-from kvserve.entrypoints.openai.serve import add_parser, run  # noqa: E402,F401

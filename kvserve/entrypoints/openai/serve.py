@@ -7,14 +7,13 @@ import argparse
 import os
 from typing import Any
 
+from kvserve.arg_utils import add_engine_args, engine_kwargs
 from kvserve.logger import init_logger
 
 logger = init_logger(__name__)
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    from kvserve.entrypoints.cli import _add_engine_args
-
     p = subparsers.add_parser("serve", help="start the OpenAI-compatible HTTP server (like `vllm serve`)")
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="local HF checkpoint folder (same as --model; default: SmolLM2-135M-Instruct)")
@@ -28,7 +27,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="default sampling params: 'auto' (the model's generation_config.json), a folder, or 'vllm' (none)")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
-    _add_engine_args(p)
+    add_engine_args(p)
     p.set_defaults(func=run)
     return p
 
@@ -38,7 +37,6 @@ def run(args: argparse.Namespace) -> int:
 
     from kvserve.config import EngineArgs
     from kvserve.engine.async_llm import AsyncLLM
-    from kvserve.entrypoints.cli import _llm_kwargs
     from kvserve.entrypoints.openai.api_server import build_app
     from kvserve.entrypoints.openai.serving import generation_config_defaults
 
@@ -52,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
             "--skip-tokenizer-init is only supported offline (LLM, kvserve bench throughput)."
         )
     api_key = args.api_key or os.environ.get("VLLM_API_KEY") or os.environ.get("KVSERVE_API_KEY")
-    async_llm = AsyncLLM.from_engine_args(EngineArgs(**_llm_kwargs(args)))
+    async_llm = AsyncLLM.from_engine_args(EngineArgs(**engine_kwargs(args)))
     name = args.served_model_name or args.model or str(async_llm.engine.config.model_config.model)
     defaults = generation_config_defaults(str(async_llm.engine.config.model_config.model), args.generation_config)
     app = build_app(async_llm, name, api_key, defaults)
