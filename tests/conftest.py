@@ -131,7 +131,10 @@ def _tiny_hybrid_config(arch: str, common: dict):
 @pytest.fixture(scope="session")
 def make_tiny_model(tmp_path_factory) -> Callable[..., Path]:
     """``make_tiny_model(arch, seed=0, **config_overrides) -> folder`` with config, fp32 safetensors,
-    tokenizer. Weights are random (std 0.2 so logits are not flat), never zeros. Cached per args."""
+    tokenizer. Weights are random (std 0.2 so logits are not flat), never zeros. Cached per args.
+    They are drawn in float64 and rounded to float32: torch's float32 ``normal_`` takes another
+    kernel with AVX2 than without it (last-bit different values), so a float32 draw would give
+    each CPU its own model; the float64 draw gives the same bits on every machine."""
     from transformers import AutoModelForCausalLM
 
     cache: dict[str, Path] = {}
@@ -146,10 +149,8 @@ def make_tiny_model(tmp_path_factory) -> Callable[..., Path]:
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
         with torch.no_grad():
             for p in model.parameters():
-                if p.dim() > 1:
-                    p.normal_(0.0, 0.2)
-                else:
-                    p.normal_(1.0, 0.1)
+                mean, std = (0.0, 0.2) if p.dim() > 1 else (1.0, 0.1)
+                p.copy_(torch.empty(p.shape, dtype=torch.float64).normal_(mean, std))
         model.save_pretrained(folder)
         _build_tokenizer(folder)
         cache[key] = folder

@@ -216,6 +216,9 @@ def _golden_tf(shared_eval, default_model_path, reference, kv_dtype, *bounds):
 
 @pytest.mark.slow
 def test_golden_teacher_forced_fp32_is_exact_against_vllm(shared_eval, default_model_path):
+    """1e-4 against the reference's own spread: vLLM's and transformers' fp32 golden files (two
+    engines computing the same thing) differ by p50 1.5e-6, p99 2.0e-5, max 4.0e-5 over the 1,271
+    steps where their tokens agree (measured 2026-12-01): real weights are well conditioned."""
     rc, out, err = _golden_tf(shared_eval, default_model_path, "golden_public_vllm_fp32.jsonl", "auto",
                               "--min-agree", "1.0", "--max-p50", "1e-4", "--max-p90", "1e-4")
     assert rc == 0, out + err
