@@ -1,6 +1,7 @@
 #!/usr/bin/env python
-"""End-to-end GPU benchmark: kvserve on nano-vllm's workload, bf16 vs fp8 KV cache, for a
-Qwen3-0.6B- and a Llama-3-8B-shaped model, against transformers' own continuous batching.
+"""End-to-end benchmark (the end-to-end family of the suite): kvserve on nano-vllm's workload, bf16
+vs fp8 KV cache, for a Qwen3-0.6B- and a Llama-3-8B-shaped model, against transformers' own
+continuous batching; ``--profile``: where a decode step's time goes instead.
 
 Models: ``benchmarks/configs/<name>/config.json`` (+ ``generation_config.json``), written by this
 script from the real Hugging Face configs (Qwen/Qwen3-0.6B, meta-llama/Meta-Llama-3-8B). No weights
@@ -26,11 +27,19 @@ own warm-up (CUDA graphs) plus a few untimed requests. Timed: first ``add_reques
 ``--peer-requests N`` runs the first N requests only (reported); kvserve then also runs that
 subset on the same engines, so the kvserve / transformers ratio compares like with like.
 
-Usage (GPU, ~6-9 minutes for everything; split it across two calls if the per-call limit is tight):
-    python benchmarks/e2e_bench.py --out $OUT/e2e.json
-    python benchmarks/e2e_bench.py --models qwen3-0.6b --out $OUT/e2e_qwen.json
-    python benchmarks/e2e_bench.py --models llama-3-8b --skip-peer --out $OUT/e2e_llama.json
-    python benchmarks/e2e_bench.py --smoke --out /tmp/e2e_smoke.json     # tiny, CPU, seconds
+``--profile`` (per model and KV dtype, no peer): the same workload until every request is decoding,
+then per decode step at full batch: the plain step period (overlapped under async scheduling), the
+host time of each part without added synchronisation, then (serial steps) input preparation, graph
+replay (synchronized), logits + sampler and the rest of ``Engine.step``; then a torch.profiler table
+of the kernels of three steps. JSON key ``profile``.
+
+Usage:
+    bash benchmarks/gpu.sh e2e                     # H200: both models, peer on 64 requests, ~5 min
+    bash benchmarks/gpu.sh profile                 # H200: the step profile, Qwen3-0.6B, bf16 + fp8
+    python3 benchmarks/e2e_bench.py --models qwen3-0.6b --out e2e_qwen.json           # by hand
+    python3 benchmarks/e2e_bench.py --models llama-3-8b --skip-peer --out e2e_llama.json
+    python3 benchmarks/e2e_bench.py --smoke --out /tmp/e2e.json             # tiny, CPU, seconds
+    python3 benchmarks/e2e_bench.py --smoke --profile --out /tmp/e2e_profile.json
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ import argparse
 import dataclasses
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -48,13 +58,12 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded; fail fast where transformers would try
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402  (also puts the repository root on sys.path: kvserve)
 
 from kvserve.bench import throughput as tp  # noqa: E402
 
-CONFIG_ROOT = REPO / "benchmarks" / "configs"
+CONFIG_ROOT = common.CONFIGS
 
 # The real config.json / generation_config.json of the Hugging Face checkpoints (architecture fields).
 MODELS: dict[str, dict[str, Any]] = {
@@ -136,13 +145,7 @@ MODELS: dict[str, dict[str, Any]] = {
 
 # --smoke: a tiny Qwen3 (same architecture path), CPU, a handful of short requests
 SMOKE_MODEL = "tiny-qwen3"
-SMOKE_CONFIG = {
-    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False, "bos_token_id": 1,
-    "eos_token_id": 2, "head_dim": 32, "hidden_act": "silu", "hidden_size": 64, "initializer_range": 0.02,
-    "intermediate_size": 128, "max_position_embeddings": 512, "num_attention_heads": 4, "num_hidden_layers": 2,
-    "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_theta": 1000000, "tie_word_embeddings": True,
-    "torch_dtype": "bfloat16", "vocab_size": 512,
-}
+SMOKE_CONFIG = common.TINY_QWEN3
 SMOKE_LENGTHS = (8, 48, 24)
 
 
@@ -345,6 +348,153 @@ def run_peer(folder: Path, requests: list[tp.BenchRequest], *, device: str, temp
 
 
 # ----------------------------------------------------------------------------------------------
+# --profile: where a decode step's time goes
+# ----------------------------------------------------------------------------------------------
+
+
+def _time_calls(obj: Any, name: str, bucket: dict[str, list[float]], sync: bool) -> None:
+    """Wrap ``obj.name`` (an instance attribute shadowing the class's) to append each call's
+    seconds to ``bucket[name]``; ``sync`` brackets it with CUDA synchronisations."""
+    import torch
+
+    real = getattr(obj, name)
+    sync = sync and torch.cuda.is_available()
+
+    def wrapper(*a: Any, **k: Any) -> Any:
+        if sync:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = real(*a, **k)
+        if sync:
+            torch.cuda.synchronize()
+        bucket.setdefault(name, []).append(time.perf_counter() - t0)
+        return out
+
+    setattr(obj, name, wrapper)
+
+
+def _medians_ms(bucket: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+    return {k: {"median_ms": statistics.median(v) * 1e3, "n": len(v)} for k, v in bucket.items()}
+
+
+def _median_step_ms(eng: Any, steps: int) -> float:
+    """Median wall time of ``steps`` calls of ``eng.step()``, in ms."""
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        eng.step()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+def _print_medians(title: str, medians: dict[str, dict[str, float]]) -> None:
+    print(title, flush=True)
+    for k, v in medians.items():
+        print(f"  {k:16s} median {v['median_ms']:8.3f} ms  (n={v['n']})", flush=True)
+
+
+def profile_decode_step(engine_kwargs: dict[str, Any], requests: list[tp.BenchRequest], steps: int,
+                        temperature: float) -> dict[str, Any]:
+    """One engine, all ``requests`` admitted and decoding, then three measurements of ``steps``
+    decode steps each (plain; host parts unsynchronised; serial parts synchronised) and a
+    torch.profiler table of three more."""
+    import torch
+
+    from kvserve.engine.sampling import RequestOutputKind, SamplingParams
+    from kvserve.runner import model_runner as mr
+
+    cuda = torch.cuda.is_available() and str(engine_kwargs.get("device", "cuda")).startswith("cuda")
+    eng = tp.build_engine(engine_kwargs)
+    for i, r in enumerate(requests):
+        eng.add_request(str(i), {"prompt_token_ids": r.prompt_token_ids},
+                        SamplingParams(temperature=temperature, max_tokens=r.output_len, ignore_eos=True,
+                                       detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY))
+    t0 = time.perf_counter()
+    while not (len(eng.scheduler.running) == len(requests) and not eng.scheduler.waiting
+               and all(r.num_output_tokens > 0 for r in eng.scheduler.running)):
+        eng.step()
+    if cuda:
+        torch.cuda.synchronize()
+    res: dict[str, Any] = {"prefill_phase_s": time.perf_counter() - t0, "async_scheduling": eng.async_scheduling,
+                           "batch": len(eng.scheduler.running)}
+    print(f"prefill phase {res['prefill_phase_s']:.2f} s", flush=True)
+    runner = eng.runner
+
+    # 1. plain steps: the step period as the workload sees it (overlapped under async scheduling)
+    res["plain_step_ms_median"] = _median_step_ms(eng, steps)
+    print(f"async_scheduling={eng.async_scheduling}  batch {res['batch']}  "
+          f"plain Engine.step median {res['plain_step_ms_median']:.2f} ms", flush=True)
+
+    # 2. host time of each part, no synchronisation added (what the CPU spends per step)
+    host: dict[str, list[float]] = {}
+    patched = ((eng.scheduler, "schedule"), (runner, "prepare"),
+               (runner, "execute_async" if eng.async_scheduling else "execute"), (eng, "_process"))
+    for obj, name in patched:
+        _time_calls(obj, name, host, False)
+    real_results = mr.PendingSamples.results
+
+    def results(self: Any) -> Any:
+        t = time.perf_counter()
+        out = real_results(self)
+        host.setdefault("wait for tokens", []).append(time.perf_counter() - t)
+        return out
+
+    mr.PendingSamples.results = results
+    try:
+        for _ in range(steps):
+            eng.step()
+    finally:
+        mr.PendingSamples.results = real_results
+        for obj, name in patched:
+            obj.__dict__.pop(name, None)
+    res["host_parts"] = _medians_ms(host)
+    _print_medians("  host time per step (no added sync):", res["host_parts"])
+
+    # 3. serial steps, each part synchronised: prepare, graph replay, logits, sampler, the rest
+    if eng.async_scheduling:
+        eng.async_scheduling = False  # the synchronised split needs the serial step
+        eng.step()
+    parts: dict[str, list[float]] = {}
+    _time_calls(runner, "prepare", parts, False)
+    if runner.graphs is not None:
+        _time_calls(runner.graphs, "run", parts, True)
+    _time_calls(runner.model, "compute_logits", parts, True)
+    real_sampler = runner.sampler
+
+    def sampler(*a: Any, **k: Any) -> Any:
+        if cuda:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = real_sampler(*a, **k)
+        parts.setdefault("sampler", []).append(time.perf_counter() - t)
+        return out
+
+    runner.sampler = sampler
+    _time_calls(runner, "execute", parts, True)
+    _time_calls(eng.scheduler, "schedule", parts, False)
+    res["serial_step_ms_median"] = _median_step_ms(eng, steps)
+    res["serial_parts"] = _medians_ms(parts)
+    _print_medians(f"batch {len(eng.scheduler.running)}  Engine.step median {res['serial_step_ms_median']:.2f} ms",
+                   res["serial_parts"])
+
+    # 4. the kernels of three steps
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(3):
+            eng.step()
+        if cuda:
+            torch.cuda.synchronize()
+    key = "device_time_total" if cuda else "cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key, 0.0), reverse=True)[:18]
+    res["top_ops"] = [{"name": e.key, "count": e.count, "cpu_time_total_us": e.cpu_time_total,
+                       "device_time_total_us": getattr(e, "device_time_total", None)} for e in events]
+    print(prof.key_averages().table(sort_by=key, row_limit=18, max_name_column_width=60), flush=True)
+    del eng, runner
+    tp.release_memory()
+    return res
+
+
+# ----------------------------------------------------------------------------------------------
 # main
 # ----------------------------------------------------------------------------------------------
 
@@ -388,6 +538,17 @@ def summary_table(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def headline(doc: dict[str, Any]) -> str:
+    parts = []
+    for name, m in doc["models"].items():
+        tok = ", ".join(f"{kv} {p['output_tok_s']:.0f}" for kv, p in m.get("kvserve", {}).items())
+        r = m.get("ratios", {})
+        ratio = r.get("kvserve_bf16_over_transformers")
+        peer = f", vs transformers {ratio:.1f}x" if ratio else ""
+        parts.append(f"{name} out tok/s {tok} (fp8/bf16 {_f(r.get('fp8_over_bf16'), '.2f')}x{peer})")
+    return "; ".join(parts)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="qwen3-0.6b,llama-3-8b", help=f"comma list of {sorted(MODELS)}")
@@ -415,7 +576,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default=None, help="default: cuda (cpu with --smoke)")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny Qwen3 config on CPU, 4 requests of short lengths, reference backend")
+    ap.add_argument("--profile", action="store_true",
+                    help="where a decode step's time goes (per model and KV dtype) instead of the throughput runs")
+    ap.add_argument("--profile-steps", type=int, default=None, help="decode steps per --profile measurement (20)")
     args = ap.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
 
     import torch
 
@@ -457,9 +622,10 @@ def main(argv: list[str] | None = None) -> int:
     copy_bw = tp.measure_copy_bandwidth(device)
     print(f"[e2e] copy bandwidth on {device}: {copy_bw['GBps']:.1f} GB/s ({copy_bw['method']})", flush=True)
     doc: dict[str, Any] = {
+        "run": common.run_info("e2e_bench", argv, args.smoke),
         "benchmark": "benchmarks/e2e_bench.py",
         "date": datetime.now().isoformat(timespec="seconds"),
-        "command": " ".join(["python", "benchmarks/e2e_bench.py"] + (argv if argv is not None else sys.argv[1:])),
+        "command": " ".join(["python", "benchmarks/e2e_bench.py"] + argv),
         "smoke": args.smoke,
         "machine": tp.machine_info(),
         "copy_bandwidth": copy_bw,
@@ -478,9 +644,33 @@ def main(argv: list[str] | None = None) -> int:
 
     def save() -> None:
         if args.out:
-            tp.write_json(args.out, doc)
+            common.write_json(args.out, doc)
 
     t_all = time.perf_counter()
+    if args.profile:
+        doc["profile"] = {}
+        steps = args.profile_steps or (3 if args.smoke else 20)
+        for name, (folder, cfg) in models.items():
+            requests = (tp.random_requests(num_prompts, 20, 40, max_token_id=cfg["vocab_size"] - 1) if args.smoke
+                        else tp.Workload("nano-vllm", "nano-vllm", num_prompts, seed=0,
+                                         nano_lengths=lengths).requests(cfg["vocab_size"]))
+            doc["profile"][name] = {}
+            for kv in kv_dtypes:
+                print(f"[e2e] step profile: {name}, kv {kv}, {len(requests)} requests", flush=True)
+                kwargs = dict(model=str(folder), dtype="bfloat16", load_format=args.load_format, kv_cache_dtype=kv,
+                              skip_tokenizer_init=True, max_model_len=max_model_len, max_num_seqs=len(requests),
+                              device=device, enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
+                              seed=0, **engine_extra)
+                doc["profile"][name][kv] = profile_decode_step(kwargs, requests, steps, args.temperature)
+                save()
+        doc["wall_s"] = time.perf_counter() - t_all
+        save()
+        common.print_summary("; ".join(
+            f"{name} {kv}: step {p['plain_step_ms_median']:.2f} ms (serial {p['serial_step_ms_median']:.2f}) at batch "
+            f"{p['batch']}" for name, m in doc["profile"].items() for kv, p in m.items()))
+        if tmp is not None:
+            tmp.cleanup()
+        return 0
     for name, (folder, cfg) in models.items():
         entry: dict[str, Any] = {"config_dir": str(folder), "source": MODELS.get(name, {}).get("source", "tiny"),
                                  "parameters_from_config": param_count(cfg), "kvserve": {}}
@@ -552,6 +742,7 @@ def main(argv: list[str] | None = None) -> int:
     print(summary_table(doc), flush=True)
     if args.out:
         print(f"[e2e] wrote {args.out}")
+    common.print_summary(headline(doc))
     if tmp is not None:
         tmp.cleanup()
     return 0

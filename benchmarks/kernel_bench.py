@@ -2,9 +2,10 @@
 """Kernel benchmark: KV store, paged decode and prefill attention against the copy-bandwidth
 ceiling, with PyTorch FlexAttention (decode) and SDPA (prefill) as peers. One run, one JSON.
 
-Usage:
-    python3 benchmarks/kernel_bench.py --out $OUT/kernels.json          # the H200 run (~4-5 min)
-    python3 benchmarks/kernel_bench.py --smoke                          # CPU: every code path, tiny
+The kernels family of the suite (benchmarks/RESULTS.md):
+    bash benchmarks/gpu.sh kernels                                      # H200: $OUT/kernels.json, ~1-2 min
+    python3 benchmarks/kernel_bench.py --out kernels.json               # H200 by hand, full grid (~4-5 min)
+    python3 benchmarks/kernel_bench.py --smoke --out /tmp/kernels.json  # CPU: every code path, tiny
     python3 benchmarks/kernel_bench.py --smoke --impl reference         # without the Triton kernels
 Options worth knowing: --sections copy,store,prefill,decode (decode includes flex); --no-flex,
 --no-flex-fp8, --no-ours-decode (flex only); --batches 1,8 --contexts 1024,4096; --flex-variants
@@ -63,7 +64,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import json
 import math
 import os
 import platform
@@ -73,11 +73,10 @@ import time
 import traceback
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(_HERE))  # the repository root: kvserve
-sys.path.insert(0, _HERE)  # flex_paged
+sys.path.insert(0, _HERE)  # common, flex_paged
 
+import common  # noqa: E402  (also puts the repository root on sys.path: kvserve)
 import torch  # noqa: E402  (torch does not import triton; TRITON_INTERPRET is set below first)
-import graph_timing  # noqa: E402  (benchmarks/: capture on a side stream, replay timing)
 
 TOL = 2e-2
 GB = 1e9
@@ -184,10 +183,33 @@ class Timer:
         return res
 
     def _capture(self, body) -> "torch.cuda.CUDAGraph":
-        return graph_timing.capture(self.stream, body)
+        """capture_begin/end on the side stream: torch.cuda.graph() would also run gc.collect() and
+        empty_cache() per capture (~0.2 s each with torch.compile's heap)."""
+        g = torch.cuda.CUDAGraph()
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            g.capture_begin()
+            try:
+                body()
+            finally:
+                g.capture_end()
+        torch.cuda.current_stream().wait_stream(self.stream)
+        return g
 
-    def _replay_ms(self, g) -> float:
-        return graph_timing.replay_ms(g, 5)
+    @staticmethod
+    def _replay_ms(g, reps: int = 5) -> float:
+        """Median of ``reps`` timed replays (CUDA events) after one warm replay."""
+        g.replay()
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            g.replay()
+            b.record()
+            b.synchronize()
+            ts.append(a.elapsed_time(b))
+        return statistics.median(ts)
 
     def _graph_ms(self, fn, est_ms: float, group: str):
         n = 1 << int(round(math.log2(min(64, max(4, 8.0 / max(est_ms, 1e-3))))))  # graph ~8 ms or 4 calls
@@ -276,9 +298,7 @@ class Run:
 
     # ---- bookkeeping
     def save(self) -> None:
-        os.makedirs(os.path.dirname(os.path.abspath(self.args.out)), exist_ok=True)
-        with open(self.args.out, "w") as f:
-            json.dump(self.res, f, indent=1, default=str)
+        common.write_json(self.args.out, self.res)
 
     def check(self, name: str, err: float, **extra) -> bool:
         ok = err <= TOL and all(v == 0 for k, v in extra.items() if k in ("nonfinite", "changed_outside"))
@@ -336,6 +356,7 @@ class Run:
         props = torch.cuda.get_device_properties(0) if self.cuda else None
         self.num_sms = props.multi_processor_count if props else 0
         self.res.update({
+            "run": common.run_info("kernel_bench", a.argv, a.smoke),
             "gpu": props.name if props else f"cpu ({platform.processor() or platform.machine()})",
             "num_sms": self.num_sms,
             "gpu_mem_GB": props.total_memory / GB if props else None,
@@ -784,6 +805,19 @@ class Run:
         r["graph_timing_off"] = self.timer.graph_off if hasattr(self, "timer") else {}
         r["flex_off"] = self.flex_off
 
+    def headline(self) -> str:
+        r = self.res
+        speedups = [d["fp8_speedup"] for d in r["decode"] if d.get("fp8_speedup")]
+        prefill = [p["speed_vs_best_sdpa"] for p in r["prefill"] if "speed_vs_best_sdpa" in p]
+        bad = sum(not c["ok"] for c in r["checks"])
+        parts = [f"kernels on {r.get('gpu')}: {len(r['checks'])} checks, {bad} failed, {len(r['errors'])} errors",
+                 f"copy {fmt(r.get('copy_bw_GBps'), '.0f')} GB/s", f"decode {len(r['decode'])} points"]
+        if speedups:
+            parts.append(f"fp8/bf16 {min(speedups):.2f}-{max(speedups):.2f}x")
+        if prefill:
+            parts.append(f"prefill ours/SDPA {min(prefill):.2f}-{max(prefill):.2f}x")
+        return "; ".join(parts)
+
     # ---- final table
     def table(self) -> str:
         r = self.res
@@ -885,6 +919,7 @@ def parse_args(argv=None):
     p.add_argument("--time-budget-s", type=float, default=480.0,
                    help="skip the remaining points once this much wall time is spent (the device limit is 600 s)")
     a = p.parse_args(argv)
+    a.argv = list(sys.argv[1:] if argv is None else argv)
     big = dict(batches=[1, 8, 32, 64, 128, 256], contexts=[1024, 4096, 8192, 16384, 32768], store_tokens=[256, 4096, 16384],
                prefill_tokens=[1024, 2048, 4096, 8192], q_heads=32, kv_heads=8, head_dim=128, copy_elems=1 << 30,
                flex_check_lens=[1000, 17, 4096, 130, 1, 2048, 777, 129])
@@ -897,7 +932,7 @@ def parse_args(argv=None):
         a.impl = "auto" if a.smoke else "triton"
     if a.out is None:
         stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-        a.out = f"/tmp/kernel_bench_smoke_{stamp}.json" if a.smoke else os.path.join(_HERE, "results", f"kernels_{stamp}.json")
+        a.out = f"/tmp/kernel_bench_smoke_{stamp}.json" if a.smoke else str(common.default_out("kernels"))
     a.sections = [s for s in a.sections.split(",") if s]
     return a
 
@@ -956,6 +991,7 @@ def main(argv=None) -> int:
     run.save()
     print(run.table())
     print(f"json: {args.out}")
+    common.print_summary(run.headline())
     if run.failed:
         print("KERNEL BENCH: FAILED (see checks/errors above)")
         return 1

@@ -184,7 +184,7 @@ def _attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
     table = block_tables_ptr + seq * stride_bt
     scale2 = k_mul * 1.4426950408889634  # scores to the log2 domain
-    if SPLIT:  # (split-KV parts: one masked loop measured faster, see benchmarks/attn_ab.py)
+    if SPLIT:  # (split-KV parts: one masked loop measured faster, benchmarks/HISTORY.md, attention A/B)
         for t in range(tile_lo, tile_hi):
             m_i, l_i, acc = _attend_tile(
                 t, m_i, l_i, acc, q, q_pos, num_keys, scale2, cache_ptr, table, kv_head,
@@ -265,7 +265,7 @@ def _tile_config(
     max_query_len: int, group: int, head_pad: int, is_cuda: bool, fp8: bool = False, split: bool = False
 ) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, TILE_N, num_warps, num_stages, maxnreg; 0 = no cap) for the batch shape (tuned on
-    the H200, see benchmarks/decode_probe.py, attn_ab.py, probes/fp8_occupancy_probe.py: decode
+    the H200 with probes now in git history, findings in benchmarks/HISTORY.md: decode
     tiles of ~16 KB of K per stage; bf16 split-KV parts read 128-key tiles, 9-35% faster there;
     fp8 two stages, and at most 168 registers per thread: 3 programs per multiprocessor instead
     of 2 at G <= 2 (204 registers uncapped), 10% faster, no spills)."""

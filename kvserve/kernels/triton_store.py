@@ -33,7 +33,7 @@ _MAX_TILE = 4096
 # Elements of one program's K (or V) tile, all its tokens together (bounds registers per thread).
 _MAX_PROGRAM_TILE = 16384
 _MAX_TOKENS_PER_PROGRAM = 16
-# Automatic tiling (H200, benchmarks/store_probe.py): about this many bytes of K + V read per
+# Automatic tiling (H200, benchmarks/HISTORY.md 'Store'): about this many bytes of K + V read per
 # program, never fewer than _PROGRAMS_PER_SM programs per multiprocessor while tokens allow, and
 # about _ELEMS_PER_THREAD elements of K (and of V) per thread. Hk=8, D=128 bf16 keeps one token per
 # program with 2 warps (larger tiles were no faster for bf16 and slower for fp8, whose exact

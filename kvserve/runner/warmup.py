@@ -1,7 +1,7 @@
 """Kernel warm-up at start (triton backend): every Triton kernel variant a run can meet is compiled
 before the first request, as vLLM's start-up dummy runs do, so no request waits on a JIT compile
 mid-serving (on the H200 the e2e benchmark's first batch otherwise waited ~1.4 s more for its first
-token; benchmarks/RESULTS.md).
+token; benchmarks/HISTORY.md).
 
 Which variants exist: the store picks its tokens per program from the token count (powers of two,
 ``triton_store.store_plan``), the attention kernel has a prefill, a decode and a split-KV decode

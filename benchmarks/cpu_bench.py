@@ -1,18 +1,24 @@
 #!/usr/bin/env python
-"""CPU offline throughput: kvserve vs transformers' own continuous batching (``generate_batch``).
+"""CPU offline throughput (the CPU family of the suite): kvserve vs transformers' own continuous
+batching (``generate_batch``), both on the CPU, in one process, on the same checkpoint.
 
 Workload: the 24 prompts of the public golden set (their ``prompt_token_ids``), fp32, greedy,
-at most 64 new tokens, stopping on EOS id 2. Both engines live in this one process and serve the
-same checkpoint (kvserve's default SmolLM2-135M-Instruct fp32 folder). Each is built once and
-warmed up once (an untimed call over the same 24 prompts, ``--warmup-max-tokens`` new tokens),
-then ``--repeats`` timed calls per engine run interleaved A B B A ..., so drift in the load of this
-shared machine hits both engines alike. Only the generate call is timed. Wall and process CPU
-seconds are recorded for every call, and the outputs are compared with each other and with
+at most 64 new tokens, stopping on EOS id 2. Both engines serve the same checkpoint (kvserve's
+default SmolLM2-135M-Instruct fp32 folder unless ``--model``). Each is built once and warmed up once
+(an untimed call over the same prompts, ``--warmup-max-tokens`` new tokens), then ``--repeats``
+timed calls per engine run interleaved A B B A ..., so drift in the load of this shared machine hits
+both engines alike. Only the generate call is timed. Wall and process CPU seconds are recorded for
+every call, and the outputs are compared with each other and (default model and prompts) with
 vLLM's fp32 reference.
 
-Fairness settings (see benchmarks/RESULTS.md):
-* kvserve: ``LLM(dtype="float32")`` with its defaults (block 16, max_num_batched_tokens 4096,
-  max_num_seqs 256, chunked prefill on).
+A ``--model`` folder with only a config.json gets random fp32 weights written by transformers
+(seeded) into a temporary copy, so both engines load the same weights; without the golden set
+(``--prompts synthetic``, or a machine without ``../shared``) the prompts are 24 random-id prompts
+with the golden set's lengths (20 of 35-91 tokens, 4 of 968-1,889).
+
+Fairness settings (see benchmarks/HISTORY.md, CPU section):
+* kvserve: ``LLM(dtype="float32", device="cpu")`` with its defaults (block 16,
+  max_num_batched_tokens 4096, max_num_seqs 256, chunked prefill on).
 * transformers: ``attn_implementation="sdpa"``, ``ContinuousBatchingConfig(page_size=16,
   max_batch_tokens=4096, max_requests_per_batch=256, num_blocks=1024, use_cuda_graph=False,
   use_async_batching=False, auto_switch_to_flash=False)``; ``persistent_manager=True``, so the
@@ -25,27 +31,34 @@ Fairness settings (see benchmarks/RESULTS.md):
   transformers' generation loop runs in a background thread; its thread count is recorded too.
 
 Usage:
-    python benchmarks/cpu_throughput.py                       # both engines, 2 timed repeats each
-    python benchmarks/cpu_throughput.py --engines kvserve --repeats 1 --json-out /tmp/x.json
+    python3 benchmarks/cpu_bench.py --repeats 3                     # the dev machine (2 cores): ~4 min
+    bash benchmarks/gpu.sh cpu                                      # the H200 host's CPU: $OUT/cpu.json
+    python3 benchmarks/cpu_bench.py --engines kvserve --repeats 1 --out /tmp/x.json
+    python3 benchmarks/cpu_bench.py --smoke --out /tmp/cpu.json     # tiny random model, 3 prompts, seconds
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import hashlib
 import json
 import os
-import platform
+import random
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-GOLDEN = Path("/work/shared/eval/golden_public.jsonl")
-VLLM_REF = Path("/work/shared/eval/golden_public_vllm_fp32.jsonl")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402  (also puts the repository root on sys.path: kvserve)
+
+REPO = common.REPO
+EVAL = REPO.parent / "shared" / "eval"
+GOLDEN = EVAL / "golden_public.jsonl"
+VLLM_REF = EVAL / "golden_public_vllm_fp32.jsonl"
 MAX_NEW_TOKENS = 64
 EOS_ID = 2
 ENGINES = ("kvserve", "transformers")
@@ -56,10 +69,59 @@ TF_MAX_BATCH_TOKENS = 4096
 TF_MAX_REQUESTS = 256
 TF_NUM_BLOCKS = 1024  # 16,384 tokens of KV: ~2x the peak need of this workload (~8.4k), no preemption
 
+# --smoke: a tiny Llama (SmolLM2's architecture), random weights, three short prompts
+SMOKE_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512,
+    "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": True,
+    "bos_token_id": 1, "eos_token_id": EOS_ID, "hidden_act": "silu", "initializer_range": 0.2,
+    "torch_dtype": "float32",
+}
+SMOKE_PROMPT_LENS = (5, 12, 30)
+SMOKE_MAX_NEW_TOKENS = 8
+SMOKE_KV_CACHE_MEMORY = 1 << 24  # kvserve's KV pool in the smoke run (the CPU default is 4 GiB)
+# --prompts synthetic: the golden set's shape (20 short prompts, 4 long ones)
+SYNTHETIC_LENS = ((20, 35, 91), (4, 968, 1889))
+
 
 def load_jsonl(path: Path) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def synthetic_prompts(vocab_size: int, groups, seed: int = 0) -> list[dict]:
+    """Random-id prompts: ``groups`` = (count, min length, max length) triples."""
+    rng = random.Random(seed)
+    out = []
+    for count, lo, hi in groups:
+        for _ in range(count):
+            ids = [rng.randrange(10, vocab_size) for _ in range(rng.randint(lo, hi))]
+            out.append({"id": f"synthetic_{len(out):02d}", "prompt_token_ids": ids})
+    return out
+
+
+def with_random_weights(folder: Path | None, config: dict | None, work: Path) -> Path:
+    """A checkpoint folder under ``work``: ``folder``'s config (or ``config``) with random fp32
+    weights written by transformers, seeded, so both engines load the same weights."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    dst = work / "random-weights"
+    dst.mkdir(parents=True, exist_ok=True)
+    if folder is not None:
+        for name in ("config.json", "generation_config.json"):
+            if (folder / name).is_file():
+                shutil.copy(folder / name, dst / name)
+    else:
+        (dst / "config.json").write_text(json.dumps(config))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(dst)), dtype=torch.float32)
+    model.save_pretrained(str(dst))
+    return dst
+
+
+def has_tokenizer(folder: Path) -> bool:
+    return (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -68,11 +130,12 @@ def load_jsonl(path: Path) -> list[dict]:
 class KvserveEngine:
     name = "kvserve"
 
-    def __init__(self, prefix_caching: bool) -> None:
+    def __init__(self, model: Path, prefix_caching: bool, kv_cache_memory: int | None = None) -> None:
         from kvserve import LLM, SamplingParams
 
         self.prefix_caching = prefix_caching
-        self.llm = LLM(model=None, dtype="float32", enable_prefix_caching=prefix_caching)
+        self.llm = LLM(model=str(model), dtype="float32", device="cpu", enable_prefix_caching=prefix_caching,
+                       skip_tokenizer_init=not has_tokenizer(model), kv_cache_memory=kv_cache_memory)
         self.sp_cls = SamplingParams
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
@@ -106,15 +169,13 @@ class KvserveEngine:
 class TransformersEngine:
     name = "transformers"
 
-    def __init__(self, prefix_caching: bool) -> None:
+    def __init__(self, model: Path, prefix_caching: bool, kv_cache_memory: int | None = None) -> None:
         import torch
         from transformers import AutoModelForCausalLM, GenerationConfig
         from transformers.generation import ContinuousBatchingConfig
 
-        from kvserve.loader.default_model import ensure_default_model
-
         self.prefix_caching = prefix_caching
-        self.path = ensure_default_model()  # the very checkpoint kvserve serves by default
+        self.path = model  # the very checkpoint kvserve serves
         self.model = AutoModelForCausalLM.from_pretrained(
             str(self.path), dtype=torch.float32, attn_implementation="sdpa"
         ).eval()
@@ -212,47 +273,25 @@ def _cpu_seconds() -> float:
 # ---------------------------------------------------------------------------------------------
 # Driver
 # ---------------------------------------------------------------------------------------------
-def machine_info() -> dict:
+def machine_info(run: dict) -> dict:
+    """The CPU run's machine record (the fields RESULTS.md's CPU tables were read from)."""
     import torch
-    import transformers
 
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = bool(
-            subprocess.run(["git", "status", "--porcelain", "--", "kvserve"], cwd=REPO, capture_output=True,
-                           text=True).stdout.strip()
-        )
-        diff = subprocess.run(["git", "diff", "HEAD", "--", "kvserve"], cwd=REPO, capture_output=True).stdout
-        diff_sha = hashlib.sha256(diff).hexdigest()[:12] if diff else None
-    except (OSError, subprocess.CalledProcessError):
-        commit, dirty, diff_sha = None, None, None
-    cpu_model = None
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    try:
-        load = os.getloadavg()
-    except OSError:
-        load = None
+    diff = subprocess.run(["git", "diff", "HEAD", "--", "kvserve"], cwd=REPO, capture_output=True).stdout \
+        if run["git_dirty"] else b""
     return {
-        "cpu_count": os.cpu_count(),
+        "cpu_count": run["cpu_count"],
         "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "cpu_model": cpu_model,
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
+        "cpu_model": run["cpu"],
+        "platform": run["platform"],
+        "python": run["python"],
+        "torch": run["torch"],
+        "transformers": run["transformers"],
         "torch_num_threads_default": torch.get_num_threads(),
-        "git_commit": commit,
-        "kvserve_tree_dirty": dirty,  # uncommitted changes (or new files) under kvserve/
-        "kvserve_diff_sha256_12": diff_sha,  # hash of `git diff HEAD -- kvserve` when dirty
-        "loadavg_at_start": load,
+        "git_commit": run["git_commit"],
+        "kvserve_tree_dirty": run["git_dirty"],  # uncommitted changes (or new files) under kvserve/
+        "kvserve_diff_sha256_12": hashlib.sha256(diff).hexdigest()[:12] if diff else None,
+        "loadavg_at_start": os.getloadavg(),
     }
 
 
@@ -261,12 +300,12 @@ def compare(a: list[list[int]], b: list[list[int]]) -> tuple[int, list[int]]:
     return len(same), [i for i in range(len(a)) if i not in same]
 
 
-def summarize(name: str, runs: list[dict], in_tokens: int, golden: list[dict], vllm: list[list[int]]) -> dict:
+def summarize(name: str, runs: list[dict], in_tokens: int, golden: list[dict], vllm: list[list[int]] | None) -> dict:
     walls = [r["wall_s"] for r in runs]
     out_tokens = sum(len(o) for o in runs[-1]["outputs"])
     med = statistics.median(walls)
     best = min(walls)
-    n_vllm, diff_vllm = compare(runs[-1]["outputs"], vllm)
+    n_vllm, diff_vllm = compare(runs[-1]["outputs"], vllm) if vllm is not None else (None, None)
     stable = all(r["outputs"] == runs[0]["outputs"] for r in runs)
     return {
         "runs": [{k: v for k, v in r.items() if k != "outputs"} for r in runs],
@@ -281,76 +320,104 @@ def summarize(name: str, runs: list[dict], in_tokens: int, golden: list[dict], v
         "input_tok_s_best": in_tokens / best,
         "outputs_identical_across_repeats": stable,
         "identical_vs_vllm_fp32": n_vllm,
-        "differs_vs_vllm_fp32": [golden[i]["id"] for i in diff_vllm],
+        "differs_vs_vllm_fp32": None if diff_vllm is None else [golden[i]["id"] for i in diff_vllm],
         "output_token_ids": runs[-1]["outputs"],
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--repeats", type=int, default=2,
-                   help="timed generate calls per engine, interleaved ABBA between engines (default 2)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="timed generate calls per engine, interleaved ABBA between engines (default 2; smoke 1)")
     p.add_argument("--engines", default="kvserve,transformers", help="comma list of: " + ",".join(ENGINES))
-    p.add_argument("--json-out", default=None,
-                   help="default: benchmarks/results/cpu_throughput_<YYYYmmdd-HHMMSS>.json")
-    p.add_argument("--warmup-max-tokens", type=int, default=8,
-                   help="max new tokens of the one untimed warm-up call (same 24 prompts; default 8)")
+    p.add_argument("--out", "--json-out", dest="out", default=None,
+                   help="JSON path (default: benchmarks/results/cpu_throughput_<YYYYmmdd-HHMMSS>.json)")
+    p.add_argument("--model", default=None,
+                   help="checkpoint folder (default: kvserve's default model); config only: random weights")
+    p.add_argument("--prompts", default=None,
+                   help=f"jsonl with prompt_token_ids (default {GOLDEN} when it exists, else 'synthetic')")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help=f"default {MAX_NEW_TOKENS} (smoke {SMOKE_MAX_NEW_TOKENS})")
+    p.add_argument("--warmup-max-tokens", type=int, default=None,
+                   help="max new tokens of the one untimed warm-up call (same prompts; default 8, smoke 2)")
     p.add_argument("--prefix-caching", action="store_true",
                    help="enable prefix caching / block sharing in both engines (caches reset before each timed run)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for both engines")
-    args = p.parse_args()
+    p.add_argument("--smoke", action="store_true", help="a tiny random Llama, 3 short prompts, 1 repeat: seconds")
+    args = p.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
 
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     for e in engines:
         if e not in ENGINES:
             p.error(f"unknown engine {e!r}; choose from {ENGINES}")
-    if args.repeats < 1:
+    repeats = args.repeats or (1 if args.smoke else 2)
+    max_new = args.max_new_tokens or (SMOKE_MAX_NEW_TOKENS if args.smoke else MAX_NEW_TOKENS)
+    warm_tokens = args.warmup_max_tokens or (2 if args.smoke else 8)
+    if repeats < 1:
         p.error("--repeats must be >= 1")
     import torch
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    now = _dt.datetime.now()
-    json_out = Path(args.json_out) if args.json_out else (
-        REPO / "benchmarks" / "results" / f"cpu_throughput_{now:%Y%m%d-%H%M%S}.json")
+    if args.threads or args.smoke:
+        torch.set_num_threads(args.threads or min(2, torch.get_num_threads()))
+    work = tempfile.TemporaryDirectory(prefix="cpu-bench-")
+    # the checkpoint both engines serve
+    if args.smoke:
+        model = with_random_weights(None, SMOKE_CONFIG, Path(work.name))
+    elif args.model:
+        model = Path(args.model)
+        if not list(model.glob("*.safetensors")):
+            print(f"[cpu] {model} has no weights: random fp32 weights from its config", flush=True)
+            model = with_random_weights(model, None, Path(work.name))
+    else:
+        from kvserve.loader.default_model import ensure_default_model
 
-    golden = load_jsonl(GOLDEN)
+        model = Path(ensure_default_model())
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    # the prompts, and vLLM's fp32 outputs where they are the reference (default model, golden set)
+    prompts_arg = args.prompts or ("smoke" if args.smoke else str(GOLDEN) if GOLDEN.is_file() else "synthetic")
+    if prompts_arg in ("smoke", "synthetic"):
+        groups = [(1, n, n) for n in SMOKE_PROMPT_LENS] if prompts_arg == "smoke" else SYNTHETIC_LENS
+        golden = synthetic_prompts(vocab, groups)
+    else:
+        golden = load_jsonl(Path(prompts_arg))
+    vllm = None
+    if not args.model and not args.smoke and Path(prompts_arg) == GOLDEN and VLLM_REF.is_file():
+        vllm = [r["output_token_ids"] for r in load_jsonl(VLLM_REF)]
     prompts = [r["prompt_token_ids"] for r in golden]
-    vllm = [r["output_token_ids"] for r in load_jsonl(VLLM_REF)]
     in_tokens = sum(len(x) for x in prompts)
-    info = machine_info()
+    run = common.run_info("cpu_bench", argv, args.smoke)
+    info = machine_info(run)
     threads = torch.get_num_threads()
     print(f"machine: {info['cpu_count']} CPUs ({info['cpu_model']}), torch {info['torch']}, "
           f"transformers {info['transformers']}, torch threads {threads}, commit {info['git_commit']}"
           f"{' (kvserve/ has uncommitted changes)' if info['kvserve_tree_dirty'] else ''}, "
           f"load avg {info['loadavg_at_start']}", flush=True)
-    print(f"workload: {len(prompts)} prompts, {in_tokens} prompt tokens, fp32 greedy, max {MAX_NEW_TOKENS} new, "
-          f"eos {EOS_ID}; repeats {args.repeats}; prefix caching {'on' if args.prefix_caching else 'off'}",
-          flush=True)
+    print(f"workload: {len(prompts)} prompts ({prompts_arg}), {in_tokens} prompt tokens, fp32 greedy, max {max_new} "
+          f"new, eos {EOS_ID}; repeats {repeats}; prefix caching {'on' if args.prefix_caching else 'off'}", flush=True)
 
     built: dict[str, object] = {}
     meta: dict[str, dict] = {}
     for name in engines:
         t0 = time.perf_counter()
-        eng = ENGINE_CLASSES[name](args.prefix_caching)
+        eng = ENGINE_CLASSES[name](model, args.prefix_caching, SMOKE_KV_CACHE_MEMORY if args.smoke else None)
         init_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        eng.generate(prompts, args.warmup_max_tokens)
+        eng.generate(prompts, warm_tokens)
         warm_s = time.perf_counter() - t0
         built[name] = eng
         meta[name] = {"init_s": init_s, "warmup_s": warm_s, "torch_threads": torch.get_num_threads()}
-        print(f"[{name}] built in {init_s:.1f} s, warm-up ({args.warmup_max_tokens} tokens) {warm_s:.1f} s",
-              flush=True)
+        print(f"[{name}] built in {init_s:.1f} s, warm-up ({warm_tokens} tokens) {warm_s:.1f} s", flush=True)
 
     runs: dict[str, list[dict]] = {n: [] for n in engines}
-    for rep in range(args.repeats):
+    for rep in range(repeats):
         order = engines if rep % 2 == 0 else engines[::-1]  # ABBA: drift in machine load hits both alike
         for name in order:
             eng = built[name]
             eng.reset()
             load = os.getloadavg()[0]
             c0, t0 = _cpu_seconds(), time.perf_counter()
-            outs = eng.generate(prompts, MAX_NEW_TOKENS)
+            outs = eng.generate(prompts, max_new)
             wall, cpu = time.perf_counter() - t0, _cpu_seconds() - c0
             n_out = sum(len(o) for o in outs)
             runs[name].append({"repeat": rep, "wall_s": wall, "cpu_s": cpu, "loadavg_1m_before": load,
@@ -370,8 +437,9 @@ def main() -> None:
     print("\n| engine | wall s (median) | output tokens | output tok/s | input tok/s | = vLLM fp32 |")
     print("|---|---|---|---|---|---|")
     for name, r in results.items():
+        same = "-" if r["identical_vs_vllm_fp32"] is None else f"{r['identical_vs_vllm_fp32']}/{len(prompts)}"
         print(f"| {name} | {r['wall_s_median']:.2f} | {r['output_tokens']} | {r['output_tok_s_median']:.2f} | "
-              f"{r['input_tok_s_median']:.1f} | {r['identical_vs_vllm_fp32']}/{len(prompts)} |")
+              f"{r['input_tok_s_median']:.1f} | {same} |")
 
     summary: dict = {}
     if "kvserve" in results and "transformers" in results:
@@ -392,31 +460,38 @@ def main() -> None:
         print(f"identical outputs kvserve vs transformers: {n_same}/{len(prompts)}")
 
     doc = {
+        "run": run,
         "benchmark": "cpu_throughput",
-        "date": now.isoformat(timespec="seconds"),
-        "command": " ".join(["python", os.path.relpath(os.path.abspath(sys.argv[0]), REPO)] + sys.argv[1:]),
+        "date": run["date"],
+        "command": run["command"],
         "machine": {**info, "torch_num_threads_used": threads, "loadavg_at_end": os.getloadavg()},
         "workload": {
-            "prompts": str(GOLDEN),
+            "prompts": prompts_arg,
+            "model": str(model) if not args.smoke else "tiny random Llama (smoke)",
             "num_prompts": len(prompts),
             "input_tokens": in_tokens,
-            "max_new_tokens": MAX_NEW_TOKENS,
+            "max_new_tokens": max_new,
             "eos_token_id": EOS_ID,
             "greedy": True,
             "dtype": "float32",
-            "repeats": args.repeats,
+            "repeats": repeats,
             "interleaving": "ABBA (even repeats in --engines order, odd repeats reversed)",
-            "warmup": f"1 untimed call per engine over the same prompts, max {args.warmup_max_tokens} new tokens",
+            "warmup": f"1 untimed call per engine over the same prompts, max {warm_tokens} new tokens",
             "prefix_caching": args.prefix_caching,
             "timed": "the generate / generate_batch call only (engine build, model load, warm-up excluded)",
         },
         "results": results,
         "summary": summary,
     }
-    json_out.parent.mkdir(parents=True, exist_ok=True)
-    json_out.write_text(json.dumps(doc, indent=1))
-    print(f"wrote {json_out}")
+    out = Path(args.out) if args.out else common.default_out("cpu_throughput")
+    common.write_json(out, doc)
+    work.cleanup()
+    print(f"wrote {out}")
+    common.print_summary(", ".join(f"{n} {r['output_tok_s_median']:.1f} out tok/s" for n, r in results.items())
+                         + (f"; kvserve/transformers {summary['ratio_output_tok_s_median']:.2f}x, identical "
+                            f"{summary['identical_kvserve_vs_transformers']}/{len(prompts)}" if summary else ""))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""What every benchmark of the suite shares: the run record at the top of each JSON (date, commit,
+command, GPU, library versions), the JSON writer, and the one summary line ``gpu.sh`` prints.
+
+Not a benchmark itself; the scripts beside it import it (``benchmarks/`` is put on ``sys.path``
+by ``import common`` from a script in this folder)."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+CONFIGS = REPO / "benchmarks" / "configs"
+if str(REPO) not in sys.path:  # the device machine runs the repository without installing it
+    sys.path.insert(0, str(REPO))
+
+# the smoke runs' model: a tiny Qwen3 (the dense attention path of the real benchmark models)
+TINY_QWEN3: dict[str, Any] = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False, "bos_token_id": 1,
+    "eos_token_id": 2, "head_dim": 32, "hidden_act": "silu", "hidden_size": 64, "initializer_range": 0.02,
+    "intermediate_size": 128, "max_position_embeddings": 512, "num_attention_heads": 4, "num_hidden_layers": 2,
+    "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_theta": 1000000, "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16", "vocab_size": 512,
+}
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _git(*args: str) -> str | None:
+    try:
+        r = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return r.stdout.strip() if r.returncode == 0 else None
+
+
+def git_commit() -> str | None:
+    """``$KVSERVE_COMMIT`` when set (the device machine's copy of the work tree has no ``.git``, or
+    a stale one: JSONs of 2026-11-29 recorded cf00c98 for later trees), else ``git rev-parse``."""
+    return os.environ.get("KVSERVE_COMMIT") or _git("rev-parse", "--short", "HEAD")
+
+
+def cpu_model() -> str | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or None
+
+
+def run_info(benchmark: str, argv: list[str] | None = None, smoke: bool = False) -> dict[str, Any]:
+    """The record every benchmark JSON starts with (key ``run``)."""
+    import torch
+
+    argv = sys.argv[1:] if argv is None else argv
+    dirty = _git("status", "--porcelain", "--", "kvserve")
+    return {
+        "benchmark": benchmark,
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(["python3", f"benchmarks/{benchmark}.py", *argv]),
+        "smoke": smoke,
+        "git_commit": git_commit(),
+        "git_dirty": None if dirty is None else bool(dirty),  # uncommitted changes under kvserve/
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "cuda": torch.version.cuda,
+        "cpu": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": _version("triton"),
+        "transformers": _version("transformers"),
+    }
+
+
+def write_json(path: str | os.PathLike, doc: dict[str, Any]) -> None:
+    """Write ``doc`` atomically (a run cut off by ``timeout`` leaves the last complete file)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def default_out(name: str) -> Path:
+    """``benchmarks/results/<name>_<YYYYmmdd-HHMMSS>.json``."""
+    return RESULTS / f"{name}_{_dt.datetime.now():%Y%m%d-%H%M%S}.json"
+
+
+def print_summary(text: str) -> None:
+    """The script's one-line headline; ``gpu.sh`` prints the last ``summary:`` line of each log."""
+    print(f"summary: {text}", flush=True)

@@ -1,0 +1,255 @@
+#!/usr/bin/env python
+"""Serving benchmark (the serving family of the suite): ``kvserve serve`` started as a subprocess on
+a free port, driven by ``kvserve bench serve`` (random dataset, token-id prompts, ``ignore_eos``,
+streaming with usage) over a concurrency sweep, one server per KV cache dtype (bf16 vs fp8 side by
+side, same flags otherwise). One JSON with every point.
+
+Model: a checkpoint folder, by default ``benchmarks/configs/qwen3-0.6b`` (config only: the server
+gets ``--load-format dummy``, random weights). ``kvserve serve`` needs a tokenizer (it refuses
+``--skip-tokenizer-init``: chat templates, text prompts, decoded logprobs), so a folder without one
+is served with ``--tokenizer`` pointing at a word-level tokenizer written here: token ``i`` is the
+word ``w<i>``, one per id of the config's vocabulary, so every sampled id streams as text. It
+detokenizes faster than a real byte-level BPE tokenizer, which understates the server's per-token
+cost a little; ``--tokenizer DIR`` serves a real one (its vocabulary must cover the config's).
+
+Per point: ``num_prompts = max(--min-prompts, --prompts-per-concurrency x concurrency)`` requests of
+``--input-len`` random token ids (drawn from [1000, 10000)) and ``--output-len`` output tokens, at
+most ``concurrency`` in flight, all sent at time 0; ``--num-warmups`` untimed requests first.
+Checked: no request failed and every one streamed ``--output-len`` tokens (``all_ok``). After each
+point the server's ``/metrics`` gauges are read (running requests and KV usage must be back to 0).
+
+    bash benchmarks/gpu.sh serve                                    # H200: $OUT/serve.json, ~4 min
+    python3 benchmarks/serve_bench.py --out serve.json              # H200 by hand (the same run)
+    python3 benchmarks/serve_bench.py --model DIR --kv-cache-dtypes auto --concurrency 1,4,16 --out x.json
+    python3 benchmarks/serve_bench.py --smoke --out /tmp/serve.json # CPU: tiny model, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402  (also puts the repository root on sys.path: kvserve)
+
+DEFAULT_MODEL = common.CONFIGS / "qwen3-0.6b"
+CLI = [sys.executable, "-m", "kvserve.entrypoints.cli"]  # the console script may not be installed
+GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+
+# --smoke: a tiny Qwen3 (config only, dummy weights), vocabulary above the client's token-id range
+SMOKE_CONFIG = {**common.TINY_QWEN3, "torch_dtype": "float32", "vocab_size": 10240}
+
+
+def write_word_tokenizer(folder: Path, vocab_size: int) -> Path:
+    """A fast tokenizer whose id ``i`` is the word ``w<i>`` (no special tokens: every id is text)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(str(folder))
+    return folder
+
+
+def has_tokenizer(folder: Path) -> bool:
+    return (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_get(url: str, timeout: float = 5.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.read().decode()
+
+
+def read_gauges(base_url: str) -> dict[str, float]:
+    """The ``GAUGES`` lines of ``/metrics`` (summed over label sets)."""
+    out: dict[str, float] = {}
+    for line in http_get(base_url + "/metrics").splitlines():
+        name = line.split("{")[0].split(" ")[0]
+        if name in GAUGES:
+            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+class Server:
+    """``kvserve serve`` in its own process group, stdout/stderr to ``log``."""
+
+    def __init__(self, serve_args: list[str], log: Path, env: dict[str, str]) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        self.cmd = [*CLI, "serve", *serve_args, "--host", "127.0.0.1", "--port", str(self.port)]
+        self.t0 = time.perf_counter()
+        with open(log, "w") as f:
+            self.proc = subprocess.Popen(self.cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def wait_healthy(self, timeout_s: float) -> float:
+        """Seconds until ``/health`` answers; raises with the log's tail if the server dies first."""
+        deadline = time.perf_counter() + timeout_s
+        while time.perf_counter() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kvserve serve exited with {self.proc.returncode}:\n{self.tail()}")
+            try:
+                http_get(self.url + "/health", timeout=2.0)
+                return time.perf_counter() - self.t0
+            except OSError:
+                time.sleep(0.5)
+        raise RuntimeError(f"kvserve serve not healthy after {timeout_s:.0f} s:\n{self.tail()}")
+
+    def tail(self, n: int = 30) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+    def stop(self) -> None:
+        """SIGINT (uvicorn's graceful shutdown), then SIGKILL to the group after 30 s."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+def bench_point(server: Server, a: argparse.Namespace, concurrency: int, work: Path, env: dict[str, str]) -> dict:
+    """One ``kvserve bench serve`` run at ``concurrency``; its result file as a dict."""
+    n = max(a.min_prompts, a.prompts_per_concurrency * concurrency)
+    result = work / f"point_{concurrency}.json"
+    cmd = [*CLI, "bench", "serve", "--base-url", server.url, "--endpoint", a.endpoint, "--dataset", "random",
+           "--input-len", str(a.input_len), "--output-len", str(a.output_len), "--num-prompts", str(n),
+           "--max-concurrency", str(concurrency), "--num-warmups", str(a.num_warmups), "--seed", "0",
+           "--result-file", str(result), "--disable-tqdm"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=a.point_timeout_s)
+    if r.returncode != 0:
+        raise RuntimeError(f"kvserve bench serve exited with {r.returncode}:\n{(r.stdout + r.stderr)[-3000:]}")
+    print(r.stdout.strip(), flush=True)
+    point = json.loads(result.read_text())
+    point["num_prompts"] = n
+    point["all_ok"] = point["failed"] == 0 and point["total_output_tokens"] == n * a.output_len
+    point["gauges_after"] = read_gauges(server.url)
+    return point
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None,
+                   help=f"checkpoint folder (default {DEFAULT_MODEL.relative_to(common.REPO)})")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer folder (default: the model's, else a word-level tokenizer over its vocabulary)")
+    p.add_argument("--load-format", default=None, help="default: dummy for a folder without weights, else auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--kv-cache-dtypes", default=None, help="one server each, side by side (default bfloat16,fp8)")
+    p.add_argument("--concurrency", type=ints, default=None, help="sweep (default 1,16,64,256)")
+    p.add_argument("--input-len", type=int, default=None, help="prompt tokens (default 512)")
+    p.add_argument("--output-len", type=int, default=None, help="output tokens per request (default 256)")
+    p.add_argument("--prompts-per-concurrency", type=int, default=4)
+    p.add_argument("--min-prompts", type=int, default=8)
+    p.add_argument("--num-warmups", type=int, default=2, help="untimed requests before each point")
+    p.add_argument("--endpoint", default="/v1/completions")
+    p.add_argument("--serve-args", default="", help="more `kvserve serve` flags, one string (e.g. '--enforce-eager')")
+    p.add_argument("--startup-timeout-s", type=float, default=600.0)
+    p.add_argument("--point-timeout-s", type=float, default=600.0)
+    p.add_argument("--smoke", action="store_true", help="CPU: a tiny config, 16 in / 8 out, concurrency 1,4")
+    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/serve_<time>.json)")
+    a = p.parse_args(argv)
+    smoke = dict(kv_cache_dtypes="auto,fp8", concurrency=[1, 4], input_len=16, output_len=8)
+    full = dict(kv_cache_dtypes="bfloat16,fp8", concurrency=[1, 16, 64, 256], input_len=512, output_len=256)
+    for k, v in (smoke if a.smoke else full).items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
+    if a.smoke:
+        a.min_prompts, a.num_warmups = min(a.min_prompts, 4), min(a.num_warmups, 1)
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    a = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout` ends us: stop the server first
+    tmp = tempfile.TemporaryDirectory(prefix="serve-bench-")
+    work = Path(tmp.name)
+    if a.smoke:
+        model = work / "tiny-qwen3"
+        model.mkdir()
+        (model / "config.json").write_text(json.dumps(SMOKE_CONFIG))
+    else:
+        model = Path(a.model) if a.model else DEFAULT_MODEL
+    config = json.loads((model / "config.json").read_text())
+    load_format = a.load_format or ("auto" if list(model.glob("*.safetensors")) else "dummy")
+    tokenizer = a.tokenizer or (str(model) if has_tokenizer(model) else
+                                str(write_word_tokenizer(work / "word-tokenizer", config["vocab_size"])))
+    serve_args = ["--model", str(model), "--tokenizer", tokenizer, "--load-format", load_format, "--dtype", a.dtype,
+                  *shlex.split(a.serve_args)]
+    if a.smoke:
+        serve_args += ["--device", "cpu", "--kv-cache-memory", str(1 << 24), "--max-model-len", "256"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(common.REPO), os.environ.get("PYTHONPATH")])),
+           "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+    out = Path(a.out) if a.out else common.default_out("serve")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    doc: dict[str, Any] = {
+        "run": common.run_info("serve_bench", argv, a.smoke),
+        "settings": {"model": "tiny Qwen3 (smoke)" if a.smoke else str(model), "load_format": load_format,
+                     "tokenizer": "word-level w<i> (written here)" if tokenizer.startswith(str(work)) else tokenizer,
+                     "serve_args": serve_args, "endpoint": a.endpoint, "dataset": "random, token-id prompts",
+                     "input_len": a.input_len, "output_len": a.output_len, "ignore_eos": True,
+                     "concurrency": a.concurrency, "prompts_per_concurrency": a.prompts_per_concurrency,
+                     "min_prompts": a.min_prompts, "num_warmups": a.num_warmups},
+        "servers": {},
+        "points": [],
+    }
+    failed = False
+    for kv in [k for k in a.kv_cache_dtypes.split(",") if k]:
+        log = out.with_name(f"{out.stem}_server_{kv}.log")
+        server = Server([*serve_args, "--kv-cache-dtype", kv], log, env)
+        info: dict[str, Any] = {"log": str(log), "command": " ".join(["python3", *server.cmd[1:]])}
+        doc["servers"][kv] = info
+        try:
+            info["ready_s"] = server.wait_healthy(a.startup_timeout_s)
+            print(f"[serve] kv {kv}: server ready in {info['ready_s']:.1f} s at {server.url}", flush=True)
+            for c in a.concurrency:
+                point = {"kv_cache_dtype": kv, "concurrency": c, **bench_point(server, a, c, work, env)}
+                doc["points"].append(point)
+                failed |= not point["all_ok"]
+                print(f"[serve] kv {kv} c={c}: {point['output_throughput']:.1f} out tok/s, TTFT p50 "
+                      f"{point['median_ttft_ms']:.1f} ms, TPOT p50 {point['median_tpot_ms']:.2f} ms, "
+                      f"failed {point['failed']}", flush=True)
+                common.write_json(out, doc)
+        except Exception as e:  # noqa: BLE001 - keep the other dtype's points; the run fails
+            failed = True
+            info["error"] = f"{type(e).__name__}: {e}"[-4000:]
+            print(f"[serve] kv {kv}: {info['error']}", flush=True)
+        finally:
+            server.stop()
+            info["server_returncode"] = server.proc.returncode
+        common.write_json(out, doc)
+    doc["failed"] = failed
+    common.write_json(out, doc)
+    tmp.cleanup()
+    print(f"wrote {out}")
+    by_kv: dict[str, list[str]] = {}
+    for p in doc["points"]:
+        by_kv.setdefault(p["kv_cache_dtype"], []).append(f"c{p['concurrency']} {p['output_throughput']:.0f}")
+    common.print_summary("; ".join(f"{kv} out tok/s {', '.join(v)}" for kv, v in by_kv.items())
+                         + f"; {'FAILED' if failed else 'all requests ok'}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""The benchmark suite (benchmarks/): each family's ``--smoke`` run on the CPU, in a subprocess as
+``gpu.sh`` runs it (``python benchmarks/X.py`` with the repository on PYTHONPATH, nothing
+installed needed), and ``gpu.sh``'s argument checks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "benchmarks"
+RUN_FIELDS = {"benchmark", "date", "command", "smoke", "git_commit", "gpu", "cpu", "python", "torch", "triton",
+              "transformers"}
+# one smoke test per script below; the helper modules beside them are not benchmarks
+SMOKE_TESTED = {"kernel_bench", "e2e_bench", "hybrid_bench", "serve_bench", "cpu_bench"}
+HELPERS = {"common", "flex_paged"}
+FAMILIES = ("kernels", "e2e", "hybrid", "serve", "cpu", "profile")
+
+
+def run_smoke(script: str, tmp_path: Path, *extra: str, timeout: float = 300) -> tuple[dict, str]:
+    """``python benchmarks/<script>.py --smoke --out J`` from the repository root; (JSON, stdout)."""
+    out = tmp_path / f"{script}.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    r = subprocess.run([sys.executable, f"benchmarks/{script}.py", "--smoke", "--out", str(out), *extra], cwd=REPO,
+                       env=env, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, f"{script} exited with {r.returncode}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    doc = json.loads(out.read_text())
+    run = doc["run"]
+    assert RUN_FIELDS <= run.keys()
+    assert run["benchmark"] == script and run["smoke"] is True
+    assert run["command"].startswith(f"python3 benchmarks/{script}.py") and "--smoke" in run["command"]
+    assert run["torch"] and run["transformers"] and run["date"][:4].isdigit()
+    assert any(line.startswith("summary: ") for line in r.stdout.splitlines()), "no summary line for gpu.sh"
+    return doc, r.stdout
+
+
+def test_every_benchmark_script_has_a_smoke_test():
+    scripts = {p.stem for p in BENCH.glob("*.py")}
+    assert scripts - HELPERS == SMOKE_TESTED
+
+
+def test_kernels_smoke_checks_every_kernel_against_the_reference(tmp_path):
+    doc, _ = run_smoke("kernel_bench", tmp_path)
+    assert doc["failed"] is False and doc["errors"] == []
+    checks = doc["checks"]
+    assert checks and all(c["ok"] for c in checks)
+    names = " ".join(c["name"] for c in checks)
+    for what in ("store bf16", "store fp8", "prefill", "decode ours bf16", "decode ours fp8", "num_splits=2",
+                 "bigpool fp8", "bigpool bf16"):
+        assert what in names, what
+    for section in ("store", "prefill", "decode"):
+        assert doc[section] and all(row["ms"] > 0 for row in doc[section]), section
+    assert {d["cache_dtype"] for d in doc["decode"]} == {"bf16", "fp8"}
+
+
+def test_e2e_smoke_runs_both_kv_dtypes_and_the_transformers_peer(tmp_path):
+    doc, _ = run_smoke("e2e_bench", tmp_path)
+    model = doc["models"]["tiny-qwen3"]
+    peer = model["transformers"]
+    assert peer["num_finished"] == peer["num_requests"] == 4 and peer["all_full_length"]
+    for kv in ("bfloat16", "fp8"):
+        point = model["kvserve"][kv]
+        assert point["num_requests"] == 4 and point["output_tok_s"] > 0 and point["decode_step_ms_mean"] > 0
+        assert point["output_tokens"] == peer["output_tokens"]  # every request ran to its own length
+    assert model["ratios"]["fp8_over_bf16"] > 0
+
+
+def test_e2e_profile_smoke_splits_a_decode_step(tmp_path):
+    doc, _ = run_smoke("e2e_bench", tmp_path, "--profile")
+    for kv in ("bfloat16", "fp8"):
+        prof = doc["profile"]["tiny-qwen3"][kv]
+        assert prof["batch"] == 4 and prof["plain_step_ms_median"] > 0 and prof["serial_step_ms_median"] > 0
+        assert {"schedule", "prepare", "_process"} <= prof["host_parts"].keys()
+        assert {"execute", "compute_logits", "sampler"} <= prof["serial_parts"].keys()
+        assert all(v["median_ms"] > 0 for v in prof["serial_parts"].values())
+        assert prof["top_ops"] and prof["top_ops"][0]["cpu_time_total_us"] > 0
+
+
+def test_hybrid_smoke_measures_prefill_for_both_kv_dtypes(tmp_path):
+    doc, _ = run_smoke("hybrid_bench", tmp_path)
+    for kv in ("bfloat16", "fp8"):
+        rows = doc["kvserve"][kv]["rows"]
+        assert [r["concurrency"] for r in rows] == [1, 2]
+        assert all(r["seconds"] > 0 and r["prefill_tok_s"] > 0 for r in rows)
+        assert doc["kvserve"][kv]["state_slots"] > 0  # the GDN state pool of a hybrid model
+    assert set(doc["traffic"]) == {"1", "2"}
+    assert doc["transformers"]["rows"][0]["prefill_tok_s"] > 0
+
+
+def test_serve_smoke_serves_a_config_only_model_and_stops_cleanly(tmp_path):
+    doc, _ = run_smoke("serve_bench", tmp_path)
+    assert doc["failed"] is False
+    points = {(p["kv_cache_dtype"], p["concurrency"]): p for p in doc["points"]}
+    assert set(points) == {("auto", 1), ("auto", 4), ("fp8", 1), ("fp8", 4)}
+    for p in points.values():
+        assert p["all_ok"] and p["failed"] == 0 and p["completed"] == p["num_prompts"]
+        assert p["total_output_tokens"] == p["num_prompts"] * 8 and p["output_throughput"] > 0
+        assert p["gauges_after"]["vllm:num_requests_running"] == 0  # nothing left held after the point
+        assert p["gauges_after"]["vllm:kv_cache_usage_perc"] == 0
+    assert doc["settings"]["load_format"] == "dummy"
+    for server in doc["servers"].values():
+        assert server["ready_s"] > 0 and server["server_returncode"] == 0  # graceful shutdown on SIGINT
+
+
+def test_cpu_smoke_runs_both_engines_and_compares_their_tokens(tmp_path):
+    doc, _ = run_smoke("cpu_bench", tmp_path)
+    results = doc["results"]
+    for name in ("kvserve", "transformers"):
+        r = results[name]
+        assert r["output_tokens"] > 0 and r["output_tok_s_median"] > 0 and r["runs"][0]["wall_s"] > 0
+    # greedy fp32 on the same random weights: the two engines give the same tokens
+    assert doc["summary"]["identical_kvserve_vs_transformers"] == doc["workload"]["num_prompts"] == 3
+    assert results["kvserve"]["output_token_ids"] == results["transformers"]["output_token_ids"]
+
+
+def test_gpu_sh_parses():
+    r = subprocess.run(["bash", "-n", str(BENCH / "gpu.sh")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("args", [["bogus"], ["kernels", "e2e2"]])
+def test_gpu_sh_rejects_an_unknown_suite_naming_the_accepted_ones(args, tmp_path):
+    r = subprocess.run(["bash", str(BENCH / "gpu.sh"), *args], capture_output=True, text=True,
+                       env={**os.environ, "OUT": str(tmp_path / "out")}, timeout=30)
+    assert r.returncode != 0
+    assert f"'{args[-1]}'" in r.stderr
+    for name in (*FAMILIES, "all"):
+        assert name in r.stderr
+    assert not (tmp_path / "out").exists()  # nothing ran
+
+
+def test_gpu_sh_without_a_suite_prints_usage():
+    r = subprocess.run(["bash", str(BENCH / "gpu.sh")], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2 and "usage: bash benchmarks/gpu.sh SUITE" in r.stderr
