@@ -51,15 +51,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="hybrid prefix caching: tokens between state snapshots (a multiple of --block-size)")
 
 
-#: EngineArgs' fields, in order (a test checks the two agree).
-ENGINE_ARG_NAMES: tuple[str, ...] = tuple(
-    "model tokenizer dtype kv_cache_dtype block_size max_model_len max_num_seqs "
-    "max_num_batched_tokens enable_prefix_caching enable_chunked_prefill kv_cache_memory "
-    "gpu_memory_utilization num_gpu_blocks_override seed device attention_backend enforce_eager "
-    "max_cudagraph_capture_size load_format skip_tokenizer_init async_scheduling mamba_cache_mode "
-    "mamba_block_size"
-    .split()
-)
+def _engine_arg_names() -> tuple[str, ...]:
+    parser = argparse.ArgumentParser(add_help=False)
+    add_engine_args(parser)
+    return tuple(a.dest for a in parser._actions)
+
+
+#: the destinations of the engine flags: EngineArgs' fields, in order (a test checks the two agree)
+ENGINE_ARG_NAMES: tuple[str, ...] = _engine_arg_names()
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -143,8 +143,9 @@ def test_abort_drops_the_snapshot_of_its_unconfirmed_step(make_tiny_model, async
         for o in engine.step():
             outs[o.request_id] = o
     assert outs["b1"].num_cached_tokens == outs["b2"].num_cached_tokens == 0
-    got = [list(outs[r].outputs[0].token_ids) for r in ("b1", "b2")]
-    hf_greedy_reference(folder, [b, b], (8, 8)).check_tokens(got)
+    b1, b2 = (list(outs[r].outputs[0].token_ids) for r in ("b1", "b2"))
+    assert b1 == b2
+    hf_greedy_reference(folder, [b], (8,)).check_tokens([b1])
     engine.kv_manager.check_invariants()
     assert engine.runner.state_pool.num_free == engine.runner.state_pool.num_slots
 
