@@ -89,6 +89,11 @@ def run_info(benchmark: str, argv: list[str] | None = None, smoke: bool = False)
     }
 
 
+def has_tokenizer(folder: Path) -> bool:
+    """Whether a model folder carries its own tokenizer (else the benchmark serves token ids)."""
+    return (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file()
+
+
 def write_json(path: str | os.PathLike, doc: dict[str, Any]) -> None:
     """Write ``doc`` atomically (a run cut off by ``timeout`` leaves the last complete file)."""
     path = Path(path)

@@ -120,10 +120,6 @@ def with_random_weights(folder: Path | None, config: dict | None, work: Path) ->
     return dst
 
 
-def has_tokenizer(folder: Path) -> bool:
-    return (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file()
-
-
 # ---------------------------------------------------------------------------------------------
 # Engines: build once, warm up once, then timed generate calls (interleaved between engines).
 # ---------------------------------------------------------------------------------------------
@@ -135,7 +131,7 @@ class KvserveEngine:
 
         self.prefix_caching = prefix_caching
         self.llm = LLM(model=str(model), dtype="float32", device="cpu", enable_prefix_caching=prefix_caching,
-                       skip_tokenizer_init=not has_tokenizer(model), kv_cache_memory=kv_cache_memory)
+                       skip_tokenizer_init=not common.has_tokenizer(model), kv_cache_memory=kv_cache_memory)
         self.sp_cls = SamplingParams
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:

@@ -62,10 +62,6 @@ def write_word_tokenizer(folder: Path, vocab_size: int) -> Path:
     return folder
 
 
-def has_tokenizer(folder: Path) -> bool:
-    return (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file()
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -193,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         model = Path(a.model) if a.model else DEFAULT_MODEL
     config = json.loads((model / "config.json").read_text())
     load_format = a.load_format or ("auto" if list(model.glob("*.safetensors")) else "dummy")
-    tokenizer = a.tokenizer or (str(model) if has_tokenizer(model) else
+    tokenizer = a.tokenizer or (str(model) if common.has_tokenizer(model) else
                                 str(write_word_tokenizer(work / "word-tokenizer", config["vocab_size"])))
     serve_args = ["--model", str(model), "--tokenizer", tokenizer, "--load-format", load_format, "--dtype", a.dtype,
                   *shlex.split(a.serve_args)]
