@@ -17,9 +17,9 @@ BENCH = REPO / "benchmarks"
 RUN_FIELDS = {"benchmark", "date", "command", "smoke", "git_commit", "gpu", "cpu", "python", "torch", "triton",
               "transformers"}
 # one smoke test per script below; the helper modules beside them are not benchmarks
-SMOKE_TESTED = {"kernel_bench", "e2e_bench", "hybrid_bench", "serve_bench", "cpu_bench"}
+SMOKE_TESTED = {"kernel_bench", "e2e_bench", "gdn_bench", "hybrid_bench", "serve_bench", "cpu_bench"}
 HELPERS = {"common", "flex_paged"}
-FAMILIES = ("kernels", "e2e", "hybrid", "serve", "cpu", "profile")
+FAMILIES = ("kernels", "e2e", "gdn", "hybrid", "serve", "cpu", "profile")
 
 
 def run_smoke(script: str, tmp_path: Path, *extra: str, timeout: float = 300) -> tuple[dict, str]:
@@ -42,6 +42,15 @@ def run_smoke(script: str, tmp_path: Path, *extra: str, timeout: float = 300) ->
 def test_every_benchmark_script_has_a_smoke_test():
     scripts = {p.stem for p in BENCH.glob("*.py")}
     assert scripts - HELPERS == SMOKE_TESTED
+
+
+def test_gdn_smoke_times_every_kernel_and_checks_the_prefill_against_the_reference(tmp_path):
+    doc, _ = run_smoke("gdn_bench", tmp_path)
+    assert doc["prefill"] and doc["conv1d"] and doc["decode"]
+    for row in doc["prefill"]:  # fp32 in the smoke run: the chunk-parallel rule within 1e-5 of the reference
+        assert row["kvserve_ms"] > 0 and row["kvserve_output_rel_err"] < 1e-5 and row["kvserve_state_rel_err"] < 1e-5
+    assert all(r["kvserve_ms"] > 0 and r["torch_conv1d_ms"] > 0 for r in doc["conv1d"])
+    assert [r["batch"] for r in doc["decode"]] == [1, 3] and all(r["kvserve_ms"] > 0 for r in doc["decode"])
 
 
 def test_kernels_smoke_checks_every_kernel_against_the_reference(tmp_path):

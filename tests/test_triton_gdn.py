@@ -5,6 +5,8 @@ fresh, slots out of order; outputs and the updated state pools, fp32 and bf16.""
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 
@@ -45,13 +47,18 @@ def _reference_rule(q, k, v, g, beta, pool, slots, has_state, qsl):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("W", [4, 2])
-def test_causal_conv1d_varlen_equals_reference(dtype, shape, W):
+@pytest.mark.parametrize("chunked", [False, True], ids=["tokens", "chunks"])
+def test_causal_conv1d_varlen_equals_reference(dtype, shape, W, chunked):
+    """Both launch forms: each program walking its sequence (decodes), and all tokens in parallel
+    over a chunk plan (prefills: sequences shorter than W - 1, one chunk, several chunks)."""
     from kvserve.kernels.triton_gdn import causal_conv1d_varlen
+    from kvserve.kernels.triton_gdn_chunk import plan_chunks
 
     H, HV, K, V = shape
     C = 2 * H * K + HV * V
-    gen = torch.Generator().manual_seed(hash((str(dtype), shape, W)) % 2**31)
-    slots, has_state, qsl, qsl_t, slots_t, has_t = _step(gen, LENS, 9)
+    gen = torch.Generator().manual_seed(hash((str(dtype), shape, W, chunked)) % 2**31)
+    lens = [1, 70, 2, 130, 3, 64] if chunked else LENS
+    slots, has_state, qsl, qsl_t, slots_t, has_t = _step(gen, lens, 9)
     x = torch.randn(qsl[-1], C, generator=gen).to(dtype).to(DEV)
     w = (torch.randn(C, W, generator=gen) * 0.5).to(dtype).to(DEV)
     pool = torch.randn(9, C, W - 1, generator=gen).to(dtype).to(DEV)
@@ -61,7 +68,7 @@ def test_causal_conv1d_varlen_equals_reference(dtype, shape, W):
         y, st = ref.causal_conv1d(x[qsl[i]: qsl[i + 1]].cpu(), w.cpu(), pool[slot].cpu() if has else None)
         want[qsl[i]: qsl[i + 1]] = y.to(DEV)
         want_pool[slot] = st.to(DEV)
-    got = causal_conv1d_varlen(x, w, pool, qsl_t, slots_t, has_t)
+    got = causal_conv1d_varlen(x, w, pool, qsl_t, slots_t, has_t, plan_chunks(lens, x.device) if chunked else None)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(got.float(), want.float(), **tol)
     assert torch.equal(pool, want_pool)  # raw inputs moved, bit for bit; untouched slots unchanged
@@ -93,29 +100,56 @@ def test_gated_delta_rule_varlen_equals_reference(dtype, shape):
                        pool[[i for i in range(9) if i not in slots]])
 
 
-@pytest.mark.parametrize("chunk", [16, 32])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(2, 4, 16, 32), (2, 2, 24, 16), (1, 2, 128, 128)] + ([(16, 32, 128, 128)] if CUDA else []))
-def test_chunk_gated_delta_rule_varlen_equals_recurrent_kernel_and_reference(chunk, dtype, shape):
-    """Chunked (WY) kernel == the reference for prefill chunks longer and shorter than the chunk,
-    decodes and fresh / continuing states; outputs and pools."""
-    from kvserve.kernels.triton_gdn import chunk_gated_delta_rule_varlen
+# (H, HV, K, V) for the chunk-parallel rule; the GPU adds the 27B's heads and long prefills
+CHUNK_CASES = [((2, 4, 16, 32), [1, 70, 7, 64, 16, 130, 33]), ((2, 2, 24, 16), [40, 1, 65]),
+               ((1, 2, 128, 128), [65, 3, 20])]
+if CUDA:
+    CHUNK_CASES += [((16, 48, 128, 128), [1, 1024, 70, 300, 64, 2])]
+UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 
-    H, HV, K, V = shape
-    lens = [1, 40, 7, 33, 16, 2]
-    gen = torch.Generator().manual_seed(hash((str(dtype), shape, chunk)) % 2**31)
-    slots, has_state, qsl, qsl_t, slots_t, has_t = _step(gen, lens, 8)
-    T = qsl[-1]
-    q = torch.randn(T, H, K, generator=gen).to(dtype)
-    k = torch.randn(T, H, K, generator=gen).to(dtype)
-    v = torch.randn(T, HV, V, generator=gen).to(dtype)
-    g = -torch.rand(T, HV, generator=gen) * 0.5
-    beta = torch.rand(T, HV, generator=gen)
-    pool = torch.randn(8, HV, K, V, generator=gen) * 0.3
-    want, want_pool = _reference_rule(q, k, v, g, beta, pool, slots, has_state, qsl)
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", CHUNK_CASES, ids=lambda c: "x".join(map(str, c[0])))
+def test_chunk_gated_delta_rule_equals_reference(dtype, case):
+    """The chunk-parallel rule (raw gates in, states in place) == the reference sequence by
+    sequence: prefills longer and shorter than a chunk, one-token rows, fresh and continuing
+    states, slots out of order; outputs poisoned first, untouched slots bit for bit.
+
+    Bounds: the kernel rounds its operands to the model dtype in four stages (normalised k, w/u
+    and T, the chunk states, v_new), each a relative error of at most the unit roundoff u; the bound
+    is 4u of the largest reference value (fp32: the two summation orders differ by ~1.5e-6 of it,
+    measured; 4u is 2.4e-7, so fp32 gets 2e-5, 13x the measured difference)."""
+    from kvserve.kernels.triton_gdn_chunk import chunk_gated_delta_rule, plan_chunks
+
+    (H, HV, K, V), lens = case
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((str(dtype), H, HV, K, V)).encode()))
+    slots, has_state, qsl, qsl_t, slots_t, has_t = _step(gen, lens, len(lens) + 3)
+    T, C = qsl[-1], 2 * H * K + HV * V
+    y = torch.randn(T, C, generator=gen).to(dtype)  # the conv output: q | k | v columns
+    a, b = torch.randn(T, HV, generator=gen).to(dtype), torch.randn(T, HV, generator=gen).to(dtype)
+    A_log, dt_bias = (torch.randn(HV, generator=gen) * 0.5).to(dtype), torch.randn(HV, generator=gen).to(dtype)
+    pool = torch.randn(len(lens) + 3, HV, K, V, generator=gen) * 0.3
+    q, k, v = y[:, : H * K].view(T, H, K), y[:, H * K: 2 * H * K].view(T, H, K), y[:, 2 * H * K:].view(T, HV, V)
+    g, beta = ref.gdn_gates(A_log, a, dt_bias, b)
+    want, want_pool = torch.empty(T, HV, V), pool.clone()
+    for i, (slot, has) in enumerate(zip(slots, has_state)):
+        s, e = qsl[i], qsl[i + 1]
+        o, st = ref.chunk_gated_delta_rule(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e],
+                                           initial_state=pool[slot] if has else None, use_qk_l2norm=True)
+        want[s:e], want_pool[slot] = o.float(), st
+    yd = y.to(DEV)
     dev_pool = pool.to(DEV)
-    got = chunk_gated_delta_rule_varlen(q.to(DEV), k.to(DEV), v.to(DEV), g.to(DEV), beta.to(DEV), dev_pool,
-                                        qsl_t, slots_t, has_t, chunk_size=chunk)
-    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(got.float().cpu(), want.float(), **tol)
-    torch.testing.assert_close(dev_pool.cpu(), want_pool, atol=1e-4, rtol=1e-4)
+    out = torch.full((T, HV, V), float("nan"), dtype=dtype, device=DEV)
+    chunk_gated_delta_rule(
+        yd[:, : H * K].view(T, H, K), yd[:, H * K: 2 * H * K].view(T, H, K), yd[:, 2 * H * K:].view(T, HV, V),
+        a.to(DEV), b.to(DEV), A_log.to(DEV), dt_bias.to(DEV), dev_pool, qsl_t, slots_t, has_t,
+        plan_chunks(lens, torch.device(DEV)), out=out,
+    )
+    rel = 2e-5 if dtype == torch.float32 else 4 * UNIT_ROUNDOFF[dtype]
+    got = out.float().cpu()
+    assert not got.isnan().any()
+    assert (got - want).abs().max() <= rel * want.abs().max()
+    got_pool = dev_pool.cpu()
+    assert (got_pool - want_pool).abs().max() <= rel * want_pool.abs().max()
+    untouched = [i for i in range(len(lens) + 3) if i not in slots]
+    assert torch.equal(got_pool[untouched], pool[untouched])

@@ -21,6 +21,9 @@ from torch import nn
 from kvserve.kernels import gdn_reference as gdn
 from kvserve.layers.attention import AttentionMetadata
 
+# a step whose longest prefill chunk is longer takes the chunk-parallel delta rule (triton backend)
+CHUNKED_MIN_TOKENS = 32
+
 
 class GatedRMSNorm(nn.Module):
     """``weight * norm(x) * silu(z)`` over the last dim (one value head); weight init ones."""
@@ -122,33 +125,42 @@ class GatedDeltaNet(nn.Module):
         return mixed, z, b.reshape(t, self.num_v_heads), a.reshape(t, self.num_v_heads)
 
     def _forward_triton(
-        self, mixed: torch.Tensor, weight: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, meta: AttentionMetadata
+        self, mixed: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        """All sequences of the step in two launches: conv, then the delta rule (states in place)."""
+        """All sequences of the step: the conv, then the delta rule (states in place), both over all
+        tokens in parallel (kernels/triton_gdn_chunk.py) when a prefill chunk is longer than
+        ``CHUNKED_MIN_TOKENS``, else walking each sequence token by token (decodes, short chunks)."""
         from kvserve.kernels import triton_gdn
 
         qsl, slots, has = meta.query_start_loc, meta.state_slots_t, meta.has_initial_state_t
         assert qsl is not None and slots is not None and has is not None, "triton GDN needs device metadata"
-        y = triton_gdn.causal_conv1d_varlen(mixed, weight, self.conv_state, qsl, slots, has)
+        chunked = meta.max_query_len > CHUNKED_MIN_TOKENS
+        plan = meta.gdn_chunks if chunked else None
+        y = triton_gdn.causal_conv1d_varlen(mixed, weight, self.conv_state, qsl, slots, has, plan)
         t = y.shape[0]
         q, k, v = y.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        # prefill chunks longer than a WY chunk: the chunked kernel; decodes and short chunks: token by token
-        rule = triton_gdn.chunk_gated_delta_rule_varlen if meta.max_query_len > 32 else triton_gdn.gated_delta_rule_varlen
-        return rule(
-            q.view(t, self.num_k_heads, self.head_k_dim), k.view(t, self.num_k_heads, self.head_k_dim),
-            v.view(t, self.num_v_heads, self.head_v_dim), g, beta, self.ssm_state, qsl, slots, has,
-        )
+        q = q.view(t, self.num_k_heads, self.head_k_dim)
+        k = k.view(t, self.num_k_heads, self.head_k_dim)
+        v = v.view(t, self.num_v_heads, self.head_v_dim)
+        if plan is not None:
+            from kvserve.kernels import triton_gdn_chunk
+
+            return triton_gdn_chunk.chunk_gated_delta_rule(
+                q, k, v, a, b, self.A_log, self.dt_bias, self.ssm_state, qsl, slots, has, plan
+            )
+        g, beta = gdn.gdn_gates(self.A_log, a, self.dt_bias, b)
+        return triton_gdn.gated_delta_rule_varlen(q, k, v, g, beta, self.ssm_state, qsl, slots, has)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """x: [T, hidden] (sequences contiguous, ``meta.query_lens`` tokens each) -> [T, hidden]."""
         assert self.conv_state is not None and self.ssm_state is not None, "GDN state not bound"
         assert meta.state_slots is not None and meta.has_initial_state is not None, "no state slots in metadata"
         mixed, z, b, a = self._project(x)
-        g, beta = gdn.gdn_gates(self.A_log, a, self.dt_bias, b)
         weight = self.conv1d.weight.squeeze(1)
         if self.backend == "triton":
-            out = self._forward_triton(mixed, weight, g, beta, meta)
+            out = self._forward_triton(mixed, weight, a, b, meta)
             return self.out_proj(self.norm(out, z).reshape(x.shape[0], self.value_dim))
+        g, beta = gdn.gdn_gates(self.A_log, a, self.dt_bias, b)
         out = torch.empty(x.shape[0], self.num_v_heads, self.head_v_dim, dtype=x.dtype, device=x.device)
         start = 0
         for n, slot, has_state in zip(meta.query_lens, meta.state_slots, meta.has_initial_state):
