@@ -9,7 +9,8 @@ K = V = 128), bf16 operands, fp32 states, every sequence continuing from a state
   slots) against fla-core's ``chunk_gated_delta_rule`` on the same inputs (gates precomputed,
   contiguous q/k/v, dense initial states, ``use_qk_l2norm_in_kernel``), and both against the fp32
   torch reference (max |error| / max |reference|) where the reference is cheap enough;
-- the causal conv1d of a prefill step (kvserve's varlen kernel) against ``torch.nn.functional.conv1d``;
+- the causal conv1d of a prefill step (kvserve's token-parallel kernel, and its token-walking one
+  for decodes) against ``torch.nn.functional.conv1d``;
 - the decode step (one token per sequence) at batch 1, 32, 256: kvserve's recurrent kernel against
   fla-core's ``fused_recurrent_gated_delta_rule``.
 
@@ -157,6 +158,7 @@ def bench_prefill(H: int, HV: int, K: int, V: int, cases: list[tuple[int, int]],
 
 def bench_conv(C: int, W: int, cases: list[tuple[int, int]], reps: int) -> list:
     from kvserve.kernels.triton_gdn import causal_conv1d_varlen
+    from kvserve.kernels.triton_gdn_chunk import plan_chunks
 
     rows = []
     for n, length in cases:
@@ -169,8 +171,10 @@ def bench_conv(C: int, W: int, cases: list[tuple[int, int]], reps: int) -> list:
         has = torch.ones(n, dtype=torch.int32, device=DEV)
         xb = x.view(n, length, C).transpose(1, 2)
         bytes_moved = 2 * T * C * 2
+        plan = plan_chunks([length] * n, torch.device(DEV))
         row = {"sequences": n, "tokens_each": length, "channels": C,
-               "kvserve_ms": _time_ms(lambda: causal_conv1d_varlen(x, w, state, qsl, slots, has), reps),
+               "kvserve_ms": _time_ms(lambda: causal_conv1d_varlen(x, w, state, qsl, slots, has, plan), reps),
+               "kvserve_token_walk_ms": _time_ms(lambda: causal_conv1d_varlen(x, w, state, qsl, slots, has), reps),
                "torch_conv1d_ms": _time_ms(lambda: F.silu(F.conv1d(xb, w[:, None, :], padding=W - 1, groups=C)), reps)}
         row["bytes_time_ms_at_4TBps"] = bytes_moved / 4e12 * 1e3
         print(json.dumps(row), flush=True)

@@ -105,6 +105,23 @@ def test_silu_and_mul_matches_torch(dtype, n):
     _close(silu_and_mul(x), F.silu(gate) * up)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(7, 3, 128), (5, 4, 16), (1, 1, 48)])
+def test_gated_rms_norm_matches_torch(dtype, shape):
+    """The GDN output norm ``w * norm(x) * silu(z)`` (rows per program do not divide T x H in the
+    first case), over a strided z (a view of a wider projection), against gdn_reference."""
+    from kvserve.kernels import gdn_reference
+    from kvserve.kernels.triton_layers import gated_rms_norm
+
+    T, H, n = shape
+    gen = torch.Generator().manual_seed(T * 100 + n)
+    x = torch.randn(T, H, n, generator=gen).to(dtype)
+    z = torch.randn(T, H * n + 5, generator=gen).to(dtype)[:, : H * n].view(T, H, n)
+    w = (1 + 0.2 * torch.randn(n, generator=gen)).to(dtype)
+    got = gated_rms_norm(x.to(DEV), z.to(DEV), w.to(DEV), 1e-6).cpu()
+    _close(got, gdn_reference.gated_rms_norm(x, z, w, 1e-6))
+
+
 def test_fused_layers_in_the_engine(make_tiny_model, one_thread):
     """bf16 model, triton backend: the runner switches the fused kernels on; tokens equal the
     reference backend's (greedy, 3 prompts)."""

@@ -81,30 +81,32 @@ def _conv1d_chunk_kernel(
     num_channels, stride_xt, stride_yt, stride_ss, stride_sc,
     W: tl.constexpr, BT: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    """Outputs only, one program per (chunk of BT tokens, block of channels); the states are
-    written afterwards by ``_conv_state_kernel`` (another program may still read the old one)."""
+    """Outputs only, one program per (chunk of BT tokens, block of channels), walking the chunk's
+    tokens; the states are written afterwards by ``_conv_state_kernel`` (another program may still
+    read the old one)."""
     i_c = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = c < num_channels
     seq = tl.load(chunks_ptr + 2 * i_c)
-    bos = tl.load(qsl_ptr + seq).to(tl.int64)
-    eos = tl.load(qsl_ptr + seq + 1).to(tl.int64)
-    rows = bos + tl.load(chunks_ptr + 2 * i_c + 1).to(tl.int64) * BT + tl.arange(0, BT)
-    ok = (rows < eos)[:, None] & c_ok[None, :]
-    keep = (tl.zeros([BT, BLOCK_C], tl.int32) + tl.load(has_state_ptr + seq)) != 0
-    state = state_ptr + tl.load(slots_ptr + seq).to(tl.int64) * stride_ss + c[None, :] * stride_sc
-    acc = tl.zeros([BT, BLOCK_C], tl.float32)
-    for w in tl.static_range(W):
-        src = rows + (w - (W - 1))  # input row; before the sequence: state column src - bos + W - 1
-        from_x = (src >= bos)[:, None]
-        xv = tl.load(x_ptr + src[:, None] * stride_xt + c[None, :], mask=ok & from_x, other=0.0)
-        col = tl.maximum(src - bos + (W - 1), 0)[:, None]
-        sv = tl.load(state + col, mask=ok & (src < bos)[:, None] & keep, other=0.0)
-        wt = tl.load(w_ptr + c * W + w, mask=c_ok, other=0.0).to(tl.float32)
-        acc += tl.where(from_x, xv.to(tl.float32), sv.to(tl.float32)) * wt[None, :]
-    y = acc.to(y_ptr.dtype.element_ty).to(tl.float32)  # rounded to the model dtype, then SiLU
-    y = y / (1.0 + tl.exp(-y))
-    tl.store(y_ptr + rows[:, None] * stride_yt + c[None, :], y.to(y_ptr.dtype.element_ty), mask=ok)
+    start = tl.load(qsl_ptr + seq)
+    n = tl.load(qsl_ptr + seq + 1) - start
+    t0 = tl.load(chunks_ptr + 2 * i_c + 1) * BT
+    keep = (tl.zeros([BLOCK_C], tl.int32) + tl.load(has_state_ptr + seq)) != 0
+    state = state_ptr + tl.load(slots_ptr + seq).to(tl.int64) * stride_ss + c * stride_sc
+    wts = w_ptr + c * W
+    for t in range(t0, tl.minimum(t0 + BT, n)):
+        acc = tl.zeros([BLOCK_C], tl.float32)
+        for w in tl.static_range(W):
+            i = tl.zeros([BLOCK_C], tl.int32) + t + w  # position in e = state ++ x
+            from_state = i < W - 1
+            xs = tl.load(state + tl.minimum(i, W - 2), mask=c_ok & from_state & keep, other=0.0)
+            xr = tl.load(x_ptr + (start + i - (W - 1)).to(tl.int64) * stride_xt + c, mask=c_ok & (i >= W - 1),
+                         other=0.0)
+            acc += tl.load(wts + w, mask=c_ok, other=0.0).to(tl.float32) * tl.where(from_state, xs.to(tl.float32),
+                                                                                    xr.to(tl.float32))
+        y = acc.to(y_ptr.dtype.element_ty).to(tl.float32)  # rounded to the model dtype, then SiLU
+        y = y / (1.0 + tl.exp(-y))
+        tl.store(y_ptr + (start + t).to(tl.int64) * stride_yt + c, y.to(y_ptr.dtype.element_ty), mask=c_ok)
 
 
 @triton.jit(do_not_specialize=["num_channels"])

@@ -364,7 +364,9 @@ def chunk_gated_delta_rule(
     # for every dtype: in tf32 they lost 10 bits where (I + A) is ill-conditioned
     dot_prec = "ieee" if dtype == torch.float32 else "tf32"
     group = HV // H
-    k_pad, v_pad = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
+    # V tiles of at least 32 columns: bf16 products with 16 V columns and K >= 32 came out wrong
+    # on the H200 (Triton 3.6), fp32 ones right; wider tiles are masked instead
+    k_pad, v_pad = max(16, triton.next_power_of_2(K)), max(32, triton.next_power_of_2(V))
     kn = torch.empty((T, H, K), dtype=dtype, device=dev)
     tri = torch.empty((T, HV, CHUNK), dtype=dtype, device=dev)
     g = torch.empty((T, HV), dtype=torch.float32, device=dev)

@@ -1,5 +1,6 @@
-"""Triton kernels for the small per-layer ops of a decode step: (residual add +) RMSNorm, rotary
-embedding and SiLU-and-mul, each one launch instead of 3-10 torch kernels.
+"""Triton kernels for the small per-layer ops of a decode step: (residual add +) RMSNorm, the gated
+RMSNorm of the GDN output, rotary embedding and SiLU-and-mul, each one launch instead of 3-10
+torch kernels.
 
 Each reproduces its torch twin in ``layers/`` rounding for rounding (the model-dtype add, fp32
 statistics, a rounding to the model dtype before the weight multiply, the rotary products rounded
@@ -69,6 +70,39 @@ def rms_norm(
             num_warps=max(1, min(8, block // 256)),
         )
     return (out, res_out) if residual is not None else out
+
+
+@triton.jit
+def _gated_rmsnorm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, num_rows, rows_per_t, stride_xt, stride_zt, stride_ot, n,
+                          eps, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    """ROWS rows (value heads) of ``w * norm(x) * silu(z)``: x[t, h, :n], z[t, h, :n] (heads contiguous)."""
+    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    t, h = r // rows_per_t, r % rows_per_t
+    ok = r < num_rows
+    cols = tl.arange(0, BLOCK)
+    m = ok[:, None] & (cols < n)[None, :]
+    x = tl.load(x_ptr + (t * stride_xt + h * n)[:, None] + cols[None, :], mask=m, other=0.0)
+    xf = x.to(tl.float32)
+    y = (xf * tl.rsqrt(tl.sum(xf * xf, axis=1) / n + eps)[:, None]).to(x.dtype)
+    w = tl.load(w_ptr + cols, mask=cols < n, other=0.0)
+    p = (w[None, :].to(tl.float32) * y.to(tl.float32)).to(x.dtype)  # the model-dtype product, as torch
+    z = tl.load(z_ptr + (t * stride_zt + h * n)[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    out = p.to(tl.float32) * (z / (1.0 + tl.exp(-z)))
+    tl.store(out_ptr + (t * stride_ot + h * n)[:, None] + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``gdn_reference.gated_rms_norm``: x, z [T, H, n] with contiguous heads (row strides free)."""
+    T, H, n = x.shape
+    assert z.shape == x.shape and x.stride(1) == z.stride(1) == n and x.stride(2) == z.stride(2) == 1
+    out = torch.empty((T, H, n), dtype=x.dtype, device=x.device)
+    if T * H:
+        rows = 4
+        _gated_rmsnorm_kernel[(triton.cdiv(T * H, rows),)](
+            x, z, weight.contiguous(), out, T * H, H, x.stride(0), z.stride(0), out.stride(0), n, float(eps),
+            BLOCK=triton.next_power_of_2(n), ROWS=rows, num_warps=4,
+        )
+    return out
 
 
 @triton.jit

@@ -32,8 +32,13 @@ class GatedRMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.fused = False  # one Triton kernel (kernels/triton_layers.py), set by the model runner
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            from kvserve.kernels import triton_layers
+
+            return triton_layers.gated_rms_norm(x, z, self.weight, self.eps)
         return gdn.gated_rms_norm(x, z, self.weight, self.eps)
 
 
