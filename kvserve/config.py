@@ -101,7 +101,7 @@ class RunnerConfig:
     """How the model runs: the attention backend and CUDA graphs for decode batches."""
 
     attention_backend: str = "reference"  # resolved: reference | triton
-    enforce_eager: bool = True  # no CUDA graphs (always true off CUDA)
+    enforce_eager: bool = True  # no CUDA graphs (always off CUDA / reference backend; runner: uncapturable models)
     cudagraph_capture_sizes: list[int] = field(default_factory=list)  # ascending decode batch sizes
 
 
@@ -393,14 +393,11 @@ class EngineArgs:
                 "max_num_batched_tokens or decrease max_model_len."
             )
 
-        enable_prefix_caching, enforce_eager = self.enable_prefix_caching, self.enforce_eager
+        enable_prefix_caching = self.enable_prefix_caching
         mamba_cache_mode = _resolve_mamba_cache_mode(
             self.mamba_cache_mode, self.mamba_block_size, hybrid, enable_prefix_caching,
             self.enable_chunked_prefill, architecture,
         )
-        if hybrid and device.type == "cuda" and not enforce_eager:
-            logger.info("CUDA graphs are off for hybrid models: the decode graphs do not hold recurrent-state slots yet.")
-            enforce_eager = True
         kv_bytes = _cpu_kv_cache_bytes(self.kv_cache_memory) if device.type == "cpu" else self.kv_cache_memory
         return EngineConfig(
             model_config=ModelConfig(
@@ -436,7 +433,7 @@ class EngineArgs:
             tokenizer=None if self.skip_tokenizer_init else (self.tokenizer or str(path)),
             runner_config=RunnerConfig(
                 attention_backend=backend,
-                enforce_eager=enforce_eager or device.type != "cuda" or backend != "triton",
+                enforce_eager=self.enforce_eager or device.type != "cuda" or backend != "triton",
                 cudagraph_capture_sizes=cudagraph_capture_sizes(max_num_seqs, self.max_cudagraph_capture_size),
             ),
         )

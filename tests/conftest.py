@@ -94,16 +94,17 @@ def _tiny_config(arch: str, **overrides):
         common.setdefault("head_dim", 32)
         return Qwen3Config(**common)
     if arch in HYBRID_ARCHS:
-        return _tiny_hybrid_config(arch, common)
+        return _tiny_hybrid_config(arch, common, overrides)
     raise ValueError(arch)
 
 
 HYBRID_ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 
 
-def _tiny_hybrid_config(arch: str, common: dict):
+def _tiny_hybrid_config(arch: str, common: dict, overrides: dict):
     """Gated DeltaNet + gated attention: 4 layers mixing both kinds, grouped value heads (2 key /
-    4 value heads), partial rotary, and for the MoE kinds 4 experts top-2 with a shared expert."""
+    4 value heads), partial rotary, and for the MoE kinds 4 experts top-2 with a shared expert
+    (``overrides`` win, e.g. Qwen3-Next's ``mlp_only_layers``)."""
     from transformers import Qwen3NextConfig
     from transformers.models.qwen3_5 import Qwen3_5TextConfig
     from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
@@ -120,12 +121,12 @@ def _tiny_hybrid_config(arch: str, common: dict):
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
     )
     moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
-    cfg = {**common, **hybrid}
+    cfg = {**common, **hybrid, **overrides}
     if arch == "qwen3_next":
-        return Qwen3NextConfig(**cfg, **moe, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
+        return Qwen3NextConfig(**{**moe, "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True, **cfg})
     if arch == "qwen3_5":
         return Qwen3_5TextConfig(**cfg)
-    return Qwen3_5MoeTextConfig(**cfg, **moe)
+    return Qwen3_5MoeTextConfig(**{**moe, **cfg})
 
 
 @pytest.fixture(scope="session")

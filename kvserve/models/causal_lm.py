@@ -21,6 +21,8 @@ class CausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
+    # whether a decode forward can be captured in a CUDA graph (no host sync, static shapes)
+    supports_cuda_graphs = True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, meta)

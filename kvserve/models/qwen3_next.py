@@ -268,6 +268,8 @@ class Qwen3NextForCausalLM(CausalLM):
         self.architecture = architecture
         self.config = cfg
         self.model = HybridModel(cfg, grouped, ffn)
+        # routed experts read their per-expert token counts on the host (Experts.forward): not capturable
+        self.supports_cuda_graphs = not any(isinstance(layer.mlp, SparseMoeBlock) for layer in self.model.layers)
         # transformers ties an image-text model by its top-level config. Given only the text config of
         # such a checkpoint, kvserve keeps lm_head and ties iff the checkpoint has no lm_head.weight
         # (transformers drops tied weights when saving).

@@ -128,16 +128,18 @@ def num_snapshot_slots(max_num_seqs: int, bytes_per_sequence: int, budget_bytes:
 
 
 def log_state_pool(specs: list, num_slots: int, device: torch.device, num_snapshots: int = 0,
-                   interval: int = 0) -> None:
-    """The recurrent-state pool of a hybrid model (``runner/state_pool.py``), next to the KV log."""
+                   interval: int = 0, num_scratch: int = 0) -> None:
+    """The recurrent-state pool of a hybrid model (``runner/state_pool.py``), next to the KV log;
+    ``num_scratch``: the row that padded CUDA-graph decode rows write (counted in the total)."""
     per_seq = sum(spec.bytes_per_sequence for spec in specs)
     conv_shapes = sorted({spec.conv_shape for spec in specs})
     ssm_shapes = sorted({spec.ssm_shape for spec in specs})
+    scratch = f" + {num_scratch} scratch slot (CUDA-graph padding)" if num_scratch else ""
     logger.info(
         "Recurrent state (%s): %d GDN layers, conv %s + SSM %s float32 per layer -> %.2f MiB per sequence, "
-        "%d slots (max_num_seqs) = %.2f GiB",
+        "%d slots (max_num_seqs)%s = %.2f GiB",
         "GPU" if device.type == "cuda" else "CPU", len(specs), conv_shapes, ssm_shapes, per_seq / (1 << 20),
-        num_slots, num_slots * per_seq / (1 << 30),
+        num_slots, scratch, (num_slots + num_scratch) * per_seq / (1 << 30),
     )
     if num_snapshots:
         logger.info(

@@ -19,7 +19,7 @@ from kvserve.models.registry import build_model
 from kvserve.quant.kv_scales import KVScaleLoader
 from kvserve.runner import memory
 from kvserve.runner.block_table import BlockTable
-from kvserve.runner.cuda_graphs import DecodeGraphs
+from kvserve.runner.cuda_graphs import DecodeGraphs, fit_capture_sizes, graph_size
 from kvserve.runner.sampler import Sampler, SampleResult, SamplingRow, gather_logprobs
 from kvserve.runner.state_pool import StatePool, StateSpec
 from kvserve.runner.transfer import rows_to_device, to_device
@@ -102,6 +102,9 @@ class ModelRunner:
         )
         # hybrid models: the GDN layers' recurrent state, one slot per running sequence, in its own pool
         self.gdn_layers = list(self.model.gdn_layers()) if getattr(self.model, "is_hybrid", False) else []
+        capture = self._wants_graphs()
+        # decode graphs of a hybrid model: one scratch state row for their padding rows (after the snapshots)
+        num_scratch = 1 if capture and self.gdn_layers else 0
         num_slots = config.scheduler_config.max_num_seqs
         state_specs = [
             StateSpec(*layer.state_shapes(), conv_bytes_per_elem=torch.empty((), dtype=mc.dtype).element_size())
@@ -112,9 +115,11 @@ class ModelRunner:
         if gpu_budget:
             budget = memory.gpu_kv_budget(cc.gpu_memory_utilization, self._profile_peak_bytes(), self.device)
             if state_specs:  # the live states come first, at most half the budget (fewer sequences if need be)
-                num_slots = memory.num_state_slots(num_slots, per_seq, budget)
+                num_slots = memory.num_state_slots(num_slots, per_seq, budget - num_scratch * per_seq)
                 config.scheduler_config.max_num_seqs = num_slots
-            budget -= num_slots * per_seq
+                rc = config.runner_config
+                rc.cudagraph_capture_sizes = fit_capture_sizes(rc.cudagraph_capture_sizes, num_slots)
+            budget -= (num_slots + num_scratch) * per_seq
         else:
             budget = int(cc.kv_cache_memory or 0)
         # hybrid prefix caching ('align'): snapshot slots after the live ones, a snapshot every
@@ -153,9 +158,13 @@ class ModelRunner:
             self.kv_caches.append(cache)
 
         self.state_pool: StatePool | None = None
+        self.state_scratch_row: int | None = None
         if self.gdn_layers:
             self.state_pool = StatePool(num_slots)
-            rows = num_slots + self.num_snapshot_slots  # snapshot slot i is row num_slots + i
+            # snapshot slot i is row num_slots + i; the scratch row (decode graphs only) is the last
+            rows = num_slots + self.num_snapshot_slots + num_scratch
+            if num_scratch:
+                self.state_scratch_row = rows - 1
             for layer in self.gdn_layers:
                 conv_shape, ssm_shape = layer.state_shapes()
                 layer.bind_state(
@@ -163,7 +172,9 @@ class ModelRunner:
                     torch.zeros((rows, *ssm_shape), dtype=torch.float32, device=self.device),
                     self.backend,
                 )
-            memory.log_state_pool(state_specs, num_slots, self.device, self.num_snapshot_slots, self.snapshot_interval)
+            memory.log_state_pool(
+                state_specs, num_slots, self.device, self.num_snapshot_slots, self.snapshot_interval, num_scratch
+            )
 
         # one fused Triton kernel for temperature-only batches on CUDA (torch's ops elsewhere)
         self.sampler = Sampler(fused=self.device.type == "cuda")
@@ -176,10 +187,25 @@ class ModelRunner:
         if self.backend == "triton" and self.device.type == "cuda":
             warm_up_kernels(self)  # no request waits on a Triton compile later
         self.graphs: DecodeGraphs | None = None
-        rc = config.runner_config
-        if not rc.enforce_eager and rc.cudagraph_capture_sizes:
-            self.graphs = DecodeGraphs(self, rc.cudagraph_capture_sizes)
+        if capture:
+            self.graphs = DecodeGraphs(self, config.runner_config.cudagraph_capture_sizes)
             self.graphs.capture()
+
+    def _wants_graphs(self) -> bool:
+        """Whether decode batches get CUDA graphs: not with --enforce-eager (always set off CUDA
+        and for the reference backend), nor for a model whose forward cannot be captured (then
+        enforce_eager is set, so that what the config reports is what runs)."""
+        rc = self.config.runner_config
+        if rc.enforce_eager or not rc.cudagraph_capture_sizes:
+            return False
+        if not self.model.supports_cuda_graphs:
+            logger.info(
+                "CUDA graphs are off for %s: its routed experts (MoE) read their token counts on the host, "
+                "which a graph cannot capture.", self.config.model_config.architecture,
+            )
+            rc.enforce_eager = True
+            return False
+        return True
 
     def _profile_peak_bytes(self) -> int:
         """Activation peak of one max-size step, measured before the KV cache exists (GPU)."""
@@ -277,12 +303,14 @@ class ModelRunner:
                 meta.query_start_loc, meta.seq_lens_t = rows_to_device((qsl, seq_lens), torch.int32, dev)
             meta.max_query_len, meta.max_seq_len = max(query_lens), max(seq_lens)
             if meta.max_query_len == 1 and dev.type == "cuda":
-                # split-KV sized as in the CUDA graphs (by batch size and max_model_len), so eager
-                # and graph decode run the same kernels and give the same bits
+                # split-KV sized as in the CUDA graphs (by the padded batch size and max_model_len),
+                # so eager and graph decode run the same attention kernels
                 from kvserve.kernels.triton_attention import choose_num_splits
 
                 mc = self.config.model_config
-                meta.num_splits = choose_num_splits(len(query_lens), mc.num_kv_heads, mc.max_model_len, dev)
+                num_seqs = len(query_lens)
+                rows = graph_size(self.config.runner_config.cudagraph_capture_sizes, num_seqs) or num_seqs
+                meta.num_splits = choose_num_splits(rows, mc.num_kv_heads, mc.max_model_len, dev)
         if pending_dst:
             assert self._prev_tokens is not None
             dst, src = rows_to_device((pending_dst, pending_src), torch.long, dev)

@@ -16,7 +16,8 @@ if TYPE_CHECKING:
 
 class RunnerView(Protocol):
     """The runner's built parts: its config, device, KV block size, model, sampler and (hybrid
-    models) recurrent-state pool."""
+    models) recurrent-state pool, with the state row that padded CUDA-graph rows write (None
+    without decode graphs)."""
 
     config: EngineConfig
     device: torch.device
@@ -24,3 +25,4 @@ class RunnerView(Protocol):
     model: CausalLM
     sampler: Sampler
     state_pool: StatePool | None
+    state_scratch_row: int | None

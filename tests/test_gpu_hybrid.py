@@ -1,0 +1,111 @@
+"""GPU-only (H200): decode CUDA graphs of hybrid models (Gated DeltaNet + gated attention), bf16 and
+float32, on tests/test_hybrid_graphs.py's workload (decode batches of 5 and 3 rows padded to graphs
+of 8 and 4, preemption, prefix hits restoring a snapshot right before a replay; serial steps with
+logprobs, then async scheduling without). Three engines per model and dtype:
+
+- "graphs": captured graphs; every replay writes no state row but its batch's and the scratch row
+  (snapshot rows unchanged) and a padded replay does write the scratch row;
+- "emulated": graphs on, but each replay reruns its captured call eagerly on the padded static
+  buffers (same kernels, same shapes): tokens, logprobs and prefix hits equal "graphs" exactly;
+- "eager" (``enforce_eager=True``): equal greedy tokens and prefix hits; logprobs equal up to the
+  GEMMs of n rows vs the same rows padded to the graph size (a GEMM's bits may depend on its row
+  count: on CPU 3 rows vs 4 already differ in the last bit), so they are bounded, not exact.
+
+Qwen3.5-MoE (routed experts count their tokens on the host) runs eagerly with graphs requested.
+Skipped without CUDA."""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+from test_hybrid_graphs import (
+    assert_close_logprobs,
+    build_engine,
+    drive,
+    hybrid_workload,
+    watch_graphs,
+)
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+# what rounding the GEMMs otherwise can move: float32 ~1e-6; bf16 logits a few ulps (0.03 at |logit| 4-8)
+LOGPROB_BOUND = {"float32": 1e-4, "bfloat16": 0.1}
+
+
+@pytest.fixture(scope="module")
+def hybrid_folders(make_tiny_model) -> dict[str, Path]:
+    """One tiny model per GDN layout: Qwen3.5 (separate projections) and Qwen3-Next (grouped
+    in_proj_qkvz / in_proj_ba) with dense MLPs in every layer (its MoE layers are not captured)."""
+    return {
+        "qwen3_5": make_tiny_model("qwen3_5", seed=3),
+        "qwen3_next": make_tiny_model("qwen3_next", seed=3, mlp_only_layers=[0, 1, 2, 3]),
+    }
+
+
+@pytest.mark.parametrize("arch,dtype", [("qwen3_5", "bfloat16"), ("qwen3_5", "float32"), ("qwen3_next", "bfloat16")])
+def test_hybrid_decode_graphs_equal_eager(hybrid_folders, arch, dtype, kvlog):
+    """The three engines of the module docstring on the GPU memory budget path (the scratch row
+    allocated and logged), the workload run serially with logprobs, then async without."""
+    folder = hybrid_folders[arch]
+    arrivals = hybrid_workload()
+    kw = dict(dtype=dtype, kv_cache_memory=None, async_scheduling=True)  # the GPU memory budget path
+    results, logs = {}, {}
+    for mode in ("graphs", "emulated", "eager"):
+        kvlog.clear()
+        engine = build_engine(folder, mode, **kw)
+        runner = engine.runner
+        assert runner.backend == "triton"
+        if mode == "eager":
+            assert runner.graphs is None and runner.state_scratch_row is None
+        else:
+            assert runner.graphs is not None and runner.graphs.sizes == [1, 2, 4, 8]
+            rows = 8 + runner.num_snapshot_slots + 1
+            assert runner.state_scratch_row == rows - 1 and runner.num_snapshot_slots == 8
+            assert all(layer.ssm_state.shape[0] == layer.conv_state.shape[0] == rows for layer in runner.gdn_layers)
+            assert kvlog.count("8 slots (max_num_seqs) + 1 scratch slot (CUDA-graph padding) = ") == 1
+            logs[mode] = watch_graphs(engine)
+        sync = drive(engine, arrivals, "sync-", logprobs=True)  # logprobs: serial steps
+        assert engine.scheduler.num_preemptions > 0
+        asyn = drive(engine, arrivals, "async-", logprobs=False)  # async scheduling, hits on the first run
+        if dtype == "float32":  # (bf16: a prefill chunk beside other rows than before may round otherwise)
+            assert {r: o[0] for r, o in asyn.items()} == {r: o[0] for r, o in sync.items()}
+        engine.kv_manager.check_invariants()
+        assert runner.state_pool is not None and runner.state_pool.num_free == 8
+        results[mode] = (sync, asyn)
+        del engine, runner
+        gc.collect()  # the replay spy's closures hold the runner in a cycle
+        torch.cuda.empty_cache()
+    assert results["graphs"] == results["emulated"]
+    for got, want in zip(results["graphs"], results["eager"]):
+        assert_close_logprobs(got, want, LOGPROB_BOUND[dtype])
+    sync = results["graphs"][0]
+    assert sync["f"][2] == sync["g"][2] == 32  # prefix hits on the snapshot at 32
+    for mode, log in logs.items():
+        assert {3, 5} <= log.padded_rows, f"{mode}: padded replays of 3 and 5 rows expected, saw {sorted(log.replays)}"
+        assert log.restored > 0 and log.scratch_written > 0, mode
+
+
+def test_moe_hybrid_runs_eagerly_with_graphs_requested(make_tiny_model, kvlog):
+    """Qwen3.5-MoE: no graphs (logged, ``enforce_eager`` set so reports say so), no scratch row,
+    the tokens of an ``enforce_eager`` run."""
+    folder = make_tiny_model("qwen3_5_moe", seed=3)
+    prompts = [{"prompt_token_ids": p} for _, _, p, _ in hybrid_workload()[:5]]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    out = {}
+    for eager in (False, True):
+        llm = LLM(str(folder), dtype="bfloat16", max_num_seqs=8, max_model_len=128, kv_cache_memory=1 << 24,
+                  enforce_eager=eager)
+        runner = llm.llm_engine.runner
+        assert runner.graphs is None and runner.state_scratch_row is None
+        assert llm.llm_engine.config.runner_config.enforce_eager
+        out[eager] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert kvlog.count("CUDA graphs are off for Qwen3_5MoeForCausalLM: its routed experts (MoE)") == 1
+    assert out[False] == out[True]
