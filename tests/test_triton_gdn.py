@@ -129,20 +129,21 @@ def test_chunk_gated_delta_rule_equals_reference(dtype, case):
     a, b = torch.randn(T, HV, generator=gen).to(dtype), torch.randn(T, HV, generator=gen).to(dtype)
     A_log, dt_bias = (torch.randn(HV, generator=gen) * 0.5).to(dtype), torch.randn(HV, generator=gen).to(dtype)
     pool = torch.randn(len(lens) + 3, HV, K, V, generator=gen) * 0.3
-    q, k, v = y[:, : H * K].view(T, H, K), y[:, H * K: 2 * H * K].view(T, H, K), y[:, 2 * H * K:].view(T, HV, V)
-    g, beta = ref.gdn_gates(A_log, a, dt_bias, b)
+    yd, ad, bd, A_log_d, dt_bias_d = y.to(DEV), a.to(DEV), b.to(DEV), A_log.to(DEV), dt_bias.to(DEV)
+    # the reference on the kernel's device (the 27B case would take minutes on the CPU)
+    q, k, v = yd[:, : H * K].view(T, H, K), yd[:, H * K: 2 * H * K].view(T, H, K), yd[:, 2 * H * K:].view(T, HV, V)
+    g, beta = ref.gdn_gates(A_log_d, ad, dt_bias_d, bd)
     want, want_pool = torch.empty(T, HV, V), pool.clone()
     for i, (slot, has) in enumerate(zip(slots, has_state)):
         s, e = qsl[i], qsl[i + 1]
         o, st = ref.chunk_gated_delta_rule(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e],
-                                           initial_state=pool[slot] if has else None, use_qk_l2norm=True)
-        want[s:e], want_pool[slot] = o.float(), st
-    yd = y.to(DEV)
+                                           initial_state=pool[slot].to(DEV) if has else None, use_qk_l2norm=True)
+        want[s:e], want_pool[slot] = o.float().cpu(), st.cpu()
     dev_pool = pool.to(DEV)
     out = torch.full((T, HV, V), float("nan"), dtype=dtype, device=DEV)
     chunk_gated_delta_rule(
         yd[:, : H * K].view(T, H, K), yd[:, H * K: 2 * H * K].view(T, H, K), yd[:, 2 * H * K:].view(T, HV, V),
-        a.to(DEV), b.to(DEV), A_log.to(DEV), dt_bias.to(DEV), dev_pool, qsl_t, slots_t, has_t,
+        ad, bd, A_log_d, dt_bias_d, dev_pool, qsl_t, slots_t, has_t,
         plan_chunks(lens, torch.device(DEV)), out=out,
     )
     rel = 2e-5 if dtype == torch.float32 else 4 * UNIT_ROUNDOFF[dtype]
