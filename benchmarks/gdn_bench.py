@@ -11,8 +11,8 @@ K = V = 128), bf16 operands, fp32 states, every sequence continuing from a state
   torch reference (max |error| / max |reference|) where the reference is cheap enough;
 - the causal conv1d of a prefill step (kvserve's token-parallel kernel, and its token-walking one
   for decodes) against ``torch.nn.functional.conv1d``;
-- the decode step (one token per sequence) at batch 1, 32, 256: kvserve's recurrent kernel against
-  fla-core's ``fused_recurrent_gated_delta_rule``.
+- the decode step (one token per sequence) at batch 1, 32, 256: kvserve's recurrent kernel (raw
+  gates in) against fla-core's ``fused_recurrent_gated_delta_rule`` (gates precomputed).
 
 Times are CUDA-event medians over ``--reps`` calls after warm-up calls (fla autotunes per shape on
 its first calls). fla-core is optional: without it only kvserve's figures are written.
@@ -96,7 +96,8 @@ def _inputs(n: int, length: int, H: int, HV: int, K: int, V: int, seed: int):
     return q, k, v, a, b, A_log, dt_bias, pool
 
 
-def bench_prefill(H: int, HV: int, K: int, V: int, cases: list[tuple[int, int]], reps: int, fla, check_tokens: int) -> list:
+def bench_prefill(H: int, HV: int, K: int, V: int, cases: list[tuple[int, int]], reps: int, fla,
+                  check_tokens: int) -> list:
     from kvserve.kernels.triton_gdn_chunk import chunk_gated_delta_rule, plan_chunks
 
     rows = []
@@ -193,7 +194,8 @@ def bench_decode(H: int, HV: int, K: int, V: int, batches: list[int], reps: int,
         slots = torch.arange(1, n + 1, dtype=torch.int32, device=DEV)
         has = torch.ones(n, dtype=torch.int32, device=DEV)
         row = {"batch": n, "state_bytes": 2 * n * HV * K * V * 4,
-               "kvserve_ms": _time_ms(lambda: gated_delta_rule_varlen(q, k, v, g, beta, pool, qsl, slots, has), reps)}
+               "kvserve_ms": _time_ms(lambda: gated_delta_rule_varlen(q, k, v, a, b, A_log, dt_bias, pool, qsl, slots,
+                                                                      has), reps)}
         if fla is not None:
             recurrent = fla[1]
             qc, kc, vc = q.contiguous()[None], k.contiguous()[None], v.contiguous()[None]
@@ -215,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", default="1x1024,4x1024,16x1024,1x8192", help="prefill: SEQUENCESxTOKENS,...")
     ap.add_argument("--decode-batches", default="1,32,256")
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--check-tokens", type=int, default=4096, help="compare with the fp32 reference up to this many tokens")
+    ap.add_argument("--check-tokens", type=int, default=4096,
+                    help="compare with the fp32 reference up to this many tokens")
     ap.add_argument("--smoke", action="store_true", help="CPU (Triton interpreter): tiny heads and lengths")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)

@@ -80,19 +80,20 @@ def test_gated_delta_rule_varlen_equals_reference(dtype, shape):
     from kvserve.kernels.triton_gdn import gated_delta_rule_varlen
 
     H, HV, K, V = shape
-    gen = torch.Generator().manual_seed(hash((str(dtype), shape)) % 2**31)
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((str(dtype), shape)).encode()))
     slots, has_state, qsl, qsl_t, slots_t, has_t = _step(gen, LENS, 9)
     T = qsl[-1]
     q = torch.randn(T, H, K, generator=gen).to(dtype)
     k = torch.randn(T, H, K, generator=gen).to(dtype)
     v = torch.randn(T, HV, V, generator=gen).to(dtype)
-    g = -torch.rand(T, HV, generator=gen) * 0.5  # log decays in (-0.5, 0]
-    beta = torch.rand(T, HV, generator=gen)
+    a, b = torch.randn(T, HV, generator=gen).to(dtype), torch.randn(T, HV, generator=gen).to(dtype)  # raw gates
+    A_log, dt_bias = (torch.randn(HV, generator=gen) * 0.5).to(dtype), torch.randn(HV, generator=gen).to(dtype)
+    g, beta = ref.gdn_gates(A_log, a, dt_bias, b)
     pool = torch.randn(9, HV, K, V, generator=gen) * 0.3
     want, want_pool = _reference_rule(q, k, v, g, beta, pool, slots, has_state, qsl)
     dev_pool = pool.to(DEV)
-    got = gated_delta_rule_varlen(q.to(DEV), k.to(DEV), v.to(DEV), g.to(DEV), beta.to(DEV), dev_pool,
-                                  qsl_t, slots_t, has_t)
+    got = gated_delta_rule_varlen(q.to(DEV), k.to(DEV), v.to(DEV), a.to(DEV), b.to(DEV), A_log.to(DEV),
+                                  dt_bias.to(DEV), dev_pool, qsl_t, slots_t, has_t)
     tol = dict(atol=2e-5, rtol=2e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(got.float().cpu(), want.float(), **tol)
     torch.testing.assert_close(dev_pool.cpu(), want_pool, atol=2e-5, rtol=2e-5)

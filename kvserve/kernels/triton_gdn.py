@@ -10,9 +10,10 @@ chunk-parallel form in ``triton_gdn_chunk.py``.
 
 - ``causal_conv1d_varlen``: program (sequence, block of channels); SiLU(depthwise conv) over
   ``state ++ x``, then the last W - 1 raw inputs become the new state.
-- ``gated_delta_rule_varlen``: program (sequence, value head, block of V columns); q and k are
-  L2-normalised in fp32 in the kernel (q scaled), value head ``hv`` reads key head ``hv // (HV/H)``;
-  the [K, BLOCK_V] state block stays in registers across the sequence's tokens.
+- ``gated_delta_rule_varlen``: program (sequence, value head, block of V columns); the gates from
+  the raw projections and q / k L2-normalised in fp32 in the kernel (q scaled), value head ``hv``
+  reads key head ``hv // (HV/H)``; the [K, BLOCK_V] state block stays in registers across the
+  sequence's tokens.
 """
 
 from __future__ import annotations
@@ -164,8 +165,8 @@ def causal_conv1d_varlen(
 
 @triton.jit
 def _delta_rule_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, o_ptr, qsl_ptr, slots_ptr, has_state_ptr, scale,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
+    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, state_ptr, o_ptr, qsl_ptr, slots_ptr, has_state_ptr,
+    scale, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt,
     stride_ss, stride_sh, stride_sk, stride_ot, stride_oh,
     GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr, K_PAD: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
@@ -183,6 +184,8 @@ def _delta_rule_kernel(
     s_ptrs = state_ptr + slot * stride_ss + hv * stride_sh + kk[:, None] * stride_sk + vcol[None, :]
     s_mask = k_ok[:, None] & v_ok[None, :]
     S = tl.load(s_ptrs, mask=s_mask & keep, other=0.0)  # [K_PAD, BLOCK_V] fp32
+    decay_rate = tl.exp(tl.load(A_log_ptr + hv).to(tl.float32))
+    dt_bias = tl.load(dt_bias_ptr + hv).to(tl.float32)
     for t in range(0, n):
         row = (start + t).to(tl.int64)
         qv = tl.load(q_ptr + row * stride_qt + h * stride_qh + kk, mask=k_ok, other=0.0).to(tl.float32)
@@ -190,8 +193,11 @@ def _delta_rule_kernel(
         qv = qv * tl.rsqrt(tl.sum(qv * qv, axis=0) + 1e-6) * scale
         kv = kv * tl.rsqrt(tl.sum(kv * kv, axis=0) + 1e-6)
         vv = tl.load(v_ptr + row * stride_vt + hv * stride_vh + vcol, mask=v_ok, other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + row * stride_gt + hv).to(tl.float32)
-        beta = tl.load(beta_ptr + row * stride_bt + hv).to(tl.float32)
+        # the gates as gdn_reference.gdn_gates: softplus with torch's threshold 20, sigmoid in the model dtype
+        a = tl.load(a_ptr + row * stride_at + hv).to(tl.float32) + dt_bias
+        g = -decay_rate * tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))
+        b = tl.load(b_ptr + row * stride_bt + hv)
+        beta = tl.sigmoid(b.to(tl.float32)).to(b.dtype).to(tl.float32)
         S = S * tl.exp(g)
         u = (vv - tl.sum(S * kv[:, None], axis=0)) * beta  # beta (v - S^T k): [BLOCK_V]
         S = S + kv[:, None] * u[None, :]
@@ -201,16 +207,18 @@ def _delta_rule_kernel(
 
 
 def gated_delta_rule_varlen(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, ssm_state: torch.Tensor,
-    query_start_loc: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor, scale: float | None = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
+    dt_bias: torch.Tensor, ssm_state: torch.Tensor, query_start_loc: torch.Tensor, slots: torch.Tensor,
+    has_state: torch.Tensor, scale: float | None = None,
 ) -> torch.Tensor:
-    """q, k [T, H, K]; v [T, HV, V]; g, beta [T, HV] (fp32); ssm_state [slots, HV, K, V] fp32
-    (updated in place); query_start_loc [B + 1], slots [B], has_state [B] int32. q and k are
-    L2-normalised here (q scaled by ``scale``, default K^-0.5). Returns o [T, HV, V] in q's dtype."""
+    """q, k [T, H, K]; v [T, HV, V]; a, b [T, HV] the raw ``in_proj_a`` / ``in_proj_b`` outputs (the
+    gates are computed here, as ``gdn_reference.gdn_gates``); A_log, dt_bias [HV]; ssm_state [slots,
+    HV, K, V] fp32 (updated in place); query_start_loc [B + 1], slots [B], has_state [B] int32. q and
+    k are L2-normalised here (q scaled by ``scale``, default K^-0.5). Returns o [T, HV, V] in q's dtype."""
     T, H, K = q.shape
     HV, V = v.shape[1:]
     assert HV % H == 0 and ssm_state.shape[1:] == (HV, K, V) and ssm_state.dtype == torch.float32
-    assert g.shape == beta.shape == (T, HV) and g.stride(1) == beta.stride(1) == 1
+    assert a.shape == b.shape == (T, HV) and a.stride(1) == b.stride(1) == 1 and A_log.shape == dt_bias.shape == (HV,)
     assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and ssm_state.stride(-1) == 1
     o = torch.empty((T, HV, V), dtype=q.dtype, device=q.device)
     B = slots.shape[0]
@@ -218,8 +226,9 @@ def gated_delta_rule_varlen(
         return o
     block_v = min(32, triton.next_power_of_2(V))
     _delta_rule_kernel[(B, HV, triton.cdiv(V, block_v))](
-        q, k, v, g, beta, ssm_state, o, query_start_loc, slots, has_state, float(K**-0.5 if scale is None else scale),
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
+        q, k, v, a, b, A_log, dt_bias, ssm_state, o, query_start_loc, slots, has_state,
+        float(K**-0.5 if scale is None else scale),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
         ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2), o.stride(0), o.stride(1),
         GROUP=HV // H, K=K, V=V, K_PAD=max(16, triton.next_power_of_2(K)), BLOCK_V=block_v, num_warps=4,
     )

@@ -395,7 +395,8 @@ def chunk_gated_delta_rule(
     )
     bv_o = min(LAUNCH.output_block_v, v_pad)
     _output_kernel[(NT, HV, triton.cdiv(V, bv_o))](
-        q, kn, states, v_new, g, query_start_loc, plan.chunks, o, q.stride(0), float(K**-0.5 if scale is None else scale),
+        q, kn, states, v_new, g, query_start_loc, plan.chunks, o, q.stride(0),
+        float(K**-0.5 if scale is None else scale),
         HV=HV, GROUP=group, K=K, V=V, K_PAD=k_pad, BV=bv_o, BT=CHUNK, PREC=dot_prec,
         num_warps=LAUNCH.output_warps, **_stages(LAUNCH.output_stages),
     )

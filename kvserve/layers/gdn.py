@@ -153,8 +153,9 @@ class GatedDeltaNet(nn.Module):
             return triton_gdn_chunk.chunk_gated_delta_rule(
                 q, k, v, a, b, self.A_log, self.dt_bias, self.ssm_state, qsl, slots, has, plan
             )
-        g, beta = gdn.gdn_gates(self.A_log, a, self.dt_bias, b)
-        return triton_gdn.gated_delta_rule_varlen(q, k, v, g, beta, self.ssm_state, qsl, slots, has)
+        return triton_gdn.gated_delta_rule_varlen(
+            q, k, v, a, b, self.A_log, self.dt_bias, self.ssm_state, qsl, slots, has
+        )
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """x: [T, hidden] (sequences contiguous, ``meta.query_lens`` tokens each) -> [T, hidden]."""
