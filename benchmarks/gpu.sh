@@ -8,7 +8,7 @@
 #   kernels  kernel_bench.py: copy, store, decode grid bf16 vs fp8 vs FlexAttention, prefill vs SDPA
 #   e2e      e2e_bench.py: nano-vllm workload, Qwen3-0.6B (+ transformers on 64 requests), Llama-3-8B
 #   gdn      gdn_bench.py: GDN prefill / conv / decode kernels (27B heads) vs fla-core (WHEELS)
-#   hybrid   hybrid_bench.py: Qwen3.6-27B-shaped prefill, bf16 vs fp8 KV, transformers generate
+#   hybrid   hybrid_bench.py: Qwen3.6-27B-shaped prefill + decode, bf16 vs fp8 KV, transformers generate
 #   serve    serve_bench.py: kvserve serve + kvserve bench serve, c1/16/64/256, bf16 vs fp8 KV
 #   cpu      cpu_bench.py on the host CPU (default model if built, else SmolLM2-shaped random weights)
 #   profile  e2e_bench.py --profile: where a Qwen3-0.6B decode step's time goes, bf16 and fp8

@@ -1,11 +1,15 @@
 #!/usr/bin/env python
-"""Hybrid-model prefill throughput (the hybrid family of the suite): a Qwen3.6-27B-shaped model
-(real config, ``benchmarks/configs/qwen3.6-27b``, random non-zero bf16 weights), prompts of ISL
-tokens at each concurrency, one output token, bf16 KV vs fp8 KV in the same run, ``kvserve
-traffic``'s predicted fp8 change beside the measured one, and transformers' ``generate`` on the
-same model as the peer (its continuous batching rejects hybrid layers).
+"""Hybrid-model prefill and decode (the hybrid family of the suite): a Qwen3.6-27B-shaped model
+(real config, ``benchmarks/configs/qwen3.6-27b``, random non-zero bf16 weights), bf16 KV vs fp8 KV
+in the same run, ``kvserve traffic``'s predicted fp8 change beside the measured one, and
+transformers' ``generate`` on the same model as the prefill peer (its continuous batching rejects
+hybrid layers; warmed at each timed shape, so fla-core, when installed, has autotuned).
 
 Prefill tok/s = concurrency x ISL / (time from submitting the batch to its last first token).
+Decode: at each decode concurrency, the batch's time for OSL output tokens less its time for one
+(the prefill), over OSL - 1 steps = the decode step; against the step's roofline, ``kvserve
+traffic``'s bytes (weights + KV read and written + recurrent state read and written, at the mean
+context) over the device-to-device copy bandwidth measured in the same run.
 
     bash benchmarks/gpu.sh hybrid                                      # H200: $OUT/hybrid.json, ~6 min
     python3 benchmarks/hybrid_bench.py --out hybrid.json               # H200 by hand
@@ -51,11 +55,42 @@ def _prompts(n: int, isl: int, vocab: int, seed: int) -> list[list[int]]:
     return [torch.randint(10, vocab - 10, (isl,), generator=gen).tolist() for _ in range(n)]
 
 
+def copy_bandwidth(device: str) -> float | None:
+    """Device-to-device copy, bytes read + written per second (1 GiB, median of 5)."""
+    if device != "cuda":
+        return None
+    x = torch.empty(1 << 29, dtype=torch.float16, device="cuda")
+    y = torch.empty_like(x)
+    times = []
+    for _ in range(6):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        y.copy_(x)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del x, y
+    return 2 * (1 << 30) / sorted(times[1:])[2]
+
+
+def _timed_generate(llm: LLM, prompts: list, params: SamplingParams) -> float:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    assert all(len(o.outputs[0].token_ids) == params.max_tokens for o in outs)
+    return time.perf_counter() - t
+
+
 def run_kvserve(folder: Path, kv: str, isl: int, concurrency: list[int], vocab: int, dtype: str, budget: int,
-                kv_cache_memory: int | None = None) -> dict:
+                kv_cache_memory: int | None = None, decode_concurrency: tuple[int, ...] = (), osl: int = 0,
+                bandwidth: float | None = None) -> dict:
     t0 = time.perf_counter()
     llm = LLM(str(folder), load_format="dummy", skip_tokenizer_init=True, dtype=dtype, kv_cache_dtype=kv,
-              max_num_seqs=max(concurrency), max_num_batched_tokens=budget, max_model_len=isl + 16,
+              max_num_seqs=max([*concurrency, *decode_concurrency]), max_num_batched_tokens=budget,
+              max_model_len=isl + max(osl, 1) + 16,
               # plain prefill: 'align' prefix caching would cut bf16 prompts at 784 tokens (a state
               # snapshot) but not fp8 ones (1,568), which would skew the bf16-vs-fp8 comparison
               enable_prefix_caching=False, kv_cache_memory=kv_cache_memory)
@@ -65,19 +100,30 @@ def run_kvserve(folder: Path, kv: str, isl: int, concurrency: list[int], vocab: 
     rows = []
     for c in concurrency:
         prompts = [{"prompt_token_ids": p} for p in _prompts(c, isl, vocab, c)]
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        dt = time.perf_counter() - t
-        assert all(len(o.outputs[0].token_ids) == 1 for o in outs)
+        dt = _timed_generate(llm, prompts, params)
         rows.append({"concurrency": c, "seconds": dt, "prefill_tok_s": c * isl / dt})
         print(f"[kvserve {kv}] concurrency {c:3d}: {c * isl / dt:10.0f} prefill tok/s ({dt * 1e3:.1f} ms)", flush=True)
+    decode = []
+    shape = model_shape(str(folder))
+    long = SamplingParams(temperature=0, max_tokens=osl, ignore_eos=True, detokenize=False)
+    for c in decode_concurrency:
+        prompts = [{"prompt_token_ids": p} for p in _prompts(c, isl, vocab, 1000 + c)]
+        _timed_generate(llm, prompts, long)  # warm-up: the decode graphs' first replays
+        first, full = _timed_generate(llm, prompts, params), _timed_generate(llm, prompts, long)
+        step = (full - first) / (osl - 1)
+        row = {"concurrency": c, "seconds": full, "out_tok_s": c * osl / full, "prefill_s": first, "step_ms": step * 1e3}
+        if bandwidth:
+            t = traffic(shape, isl, osl, c, kv_cache_dtype=kv, bandwidth=bandwidth)
+            roof = t.memory_s(getattr(t, t.selected).decode_mean)
+            row.update(roofline_ms=roof * 1e3, step_over_roofline=step / roof)
+        decode.append(row)
+        print(f"[kvserve {kv}] decode c{c:3d}: {row['out_tok_s']:8.0f} out tok/s, step {step * 1e3:.2f} ms"
+              + (f" = {row['step_over_roofline']:.2f}x its roofline {row['roofline_ms']:.2f} ms" if bandwidth else ""),
+              flush=True)
     runner = llm.llm_engine.runner
     info = {"kv_cache_dtype": kv, "start_s": start_s, "num_blocks": llm.llm_engine.config.cache_config.num_blocks,
-            "state_slots": runner.state_pool.num_slots if runner.state_pool else 0, "rows": rows}
+            "state_slots": runner.state_pool.num_slots if runner.state_pool else 0,
+            "cuda_graphs": runner.graphs is not None, "rows": rows, "decode": decode}
     del llm, runner
     gc.collect()
     if torch.cuda.is_available():
@@ -123,23 +169,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", default="1,4,16,32")
     ap.add_argument("--kv", default="bfloat16,fp8")
     ap.add_argument("--peer-concurrency", default="1,4,16,32", help="transformers batch sizes ('' = no peer)")
+    ap.add_argument("--decode-concurrency", default="1,8,32,64", help="decode batch sizes ('' = no decode)")
+    ap.add_argument("--osl", type=int, default=256, help="output tokens of the decode runs")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    ap.add_argument("--smoke", action="store_true", help="CPU: a tiny config, ISL 64, concurrency 1,2")
+    ap.add_argument("--smoke", action="store_true", help="CPU: a tiny config, ISL 64, concurrency 1,2, OSL 8")
     ap.add_argument("--out", default=None, help="JSON path (written after every engine)")
     a = ap.parse_args(argv)
     argv = list(sys.argv[1:] if argv is None else argv)
     conc = [int(c) for c in a.concurrency.split(",") if c]
     peer = [int(c) for c in a.peer_concurrency.split(",") if c]
-    folder, isl, dtype, kv_memory = Path(a.config), a.isl, "bfloat16", None
+    decode_conc = tuple(int(c) for c in a.decode_concurrency.split(",") if c)
+    folder, isl, osl, dtype, kv_memory = Path(a.config), a.isl, a.osl, "bfloat16", None
     if a.smoke:
         folder = _tiny_config(Path(tempfile.mkdtemp()) / "tiny-qwen3.5")
-        isl, conc, peer, dtype, kv_memory = 64, [1, 2], [1], "float32", 1 << 24
+        isl, osl, conc, peer, dtype, kv_memory = 64, 8, [1, 2], [1], "float32", 1 << 24
+        decode_conc = (1, 2)
+    if decode_conc and osl < 2:
+        ap.error(f"--osl {osl} is too small for a decode run: expected an integer >= 2")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
     res: dict = {"run": common.run_info("hybrid_bench", argv, a.smoke), "benchmark": "hybrid prefill",
                  "config": str(folder), "isl": isl, "device": device,
                  "gpu": torch.cuda.get_device_name() if device == "cuda" else None, "torch": torch.__version__,
-                 "command": " ".join(sys.argv), "kvserve": {}, "traffic": {}}
+                 "command": " ".join(sys.argv), "osl": osl, "kvserve": {}, "traffic": {}}
+    bandwidth = copy_bandwidth(device)
+    res["copy_bandwidth_Bps"] = bandwidth
 
     def save() -> None:
         if a.out:
@@ -147,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
 
     for kv in [k for k in a.kv.split(",") if k]:
         res["kvserve"][kv] = run_kvserve(folder, kv, isl, conc, vocab, dtype, max(a.max_num_batched_tokens, isl),
-                                         kv_memory)
+                                         kv_memory, decode_conc, osl, bandwidth)
         save()
     shape = model_shape(str(folder))
     for c in conc:
@@ -160,6 +214,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"concurrency {b['concurrency']:3d}: fp8 / bf16 prefill tok/s {f['prefill_tok_s'] / b['prefill_tok_s']:.3f} "
                   f"(traffic predicts {t['prefill_memory_change_pct']:+.1f}% bytes time, "
                   f"{t['prefill_roofline_change_pct']:+.1f}% roofline)", flush=True)
+        for b, f in zip(res["kvserve"]["bfloat16"]["decode"], res["kvserve"]["fp8"]["decode"]):
+            t = traffic(shape, isl, osl, b["concurrency"])
+            print(f"decode c{b['concurrency']:3d}: fp8 / bf16 out tok/s {f['out_tok_s'] / b['out_tok_s']:.3f} "
+                  f"(traffic predicts {t.change_pct('decode_mean'):+.1f}% bytes time)", flush=True)
     save()
     if peer:
         res["transformers"] = run_transformers(folder, isl, peer, vocab, getattr(torch, dtype), device)
@@ -169,8 +227,12 @@ def main(argv: list[str] | None = None) -> int:
     runs = {f"kvserve {kv}": v["rows"] for kv, v in res["kvserve"].items()}
     if "transformers" in res:
         runs["transformers"] = res["transformers"]["rows"]
-    common.print_summary("; ".join(f"{name} prefill tok/s " + ", ".join(
-        f"c{r['concurrency']} {r['prefill_tok_s']:.0f}" for r in rows) for name, rows in runs.items()))
+    parts = [f"{name} prefill tok/s " + ", ".join(f"c{r['concurrency']} {r['prefill_tok_s']:.0f}" for r in rows)
+             for name, rows in runs.items()]
+    parts += [f"kvserve {kv} decode step ms " + ", ".join(
+        f"c{r['concurrency']} {r['step_ms']:.2f}" + (f" ({r['step_over_roofline']:.2f}x)" if "roofline_ms" in r else "")
+        for r in v["decode"]) for kv, v in res["kvserve"].items() if v["decode"]]
+    common.print_summary("; ".join(parts))
     return 0
 
 

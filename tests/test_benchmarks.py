@@ -90,13 +90,17 @@ def test_e2e_profile_smoke_splits_a_decode_step(tmp_path):
         assert prof["top_ops"] and prof["top_ops"][0]["cpu_time_total_us"] > 0
 
 
-def test_hybrid_smoke_measures_prefill_for_both_kv_dtypes(tmp_path):
+def test_hybrid_smoke_measures_prefill_and_decode_for_both_kv_dtypes(tmp_path):
     doc, _ = run_smoke("hybrid_bench", tmp_path)
     for kv in ("bfloat16", "fp8"):
         rows = doc["kvserve"][kv]["rows"]
         assert [r["concurrency"] for r in rows] == [1, 2]
         assert all(r["seconds"] > 0 and r["prefill_tok_s"] > 0 for r in rows)
         assert doc["kvserve"][kv]["state_slots"] > 0  # the GDN state pool of a hybrid model
+        decode = doc["kvserve"][kv]["decode"]
+        assert [r["concurrency"] for r in decode] == [1, 2] and all(r["step_ms"] > 0 for r in decode)
+        assert all(r["out_tok_s"] > 0 and r["prefill_s"] < r["seconds"] for r in decode)
+    assert doc["osl"] == 8 and doc["copy_bandwidth_Bps"] is None  # no roofline without a GPU
     assert set(doc["traffic"]) == {"1", "2"}
     assert doc["transformers"]["rows"][0]["prefill_tok_s"] > 0
 
