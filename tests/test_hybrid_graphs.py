@@ -21,6 +21,7 @@ from kvserve.config import EngineArgs
 from kvserve.engine.engine import Engine
 from kvserve.engine.sampling import SamplingParams
 from kvserve.runner.cuda_graphs import DecodeGraphs, fit_capture_sizes, graph_size
+from hf_reference import hf_greedy_reference
 from triton_support import skip_without_triton_device
 
 # max_num_seqs 8: graphs of 1, 2, 4, 8 rows; 11 KV blocks of 16 tokens preempt one of the first
@@ -175,8 +176,9 @@ def test_padded_graph_replays_write_only_their_rows_and_the_scratch_row(make_tin
     scratch row is the state row after the live and snapshot rows, and logged; padded replays (5
     and 3 rows) write no state row but their batch's and the scratch row, also right after a
     snapshot was restored into a decode row and through preemption; greedy tokens and prefix hits
-    equal eager, logprobs within 1e-4 (float32; the kernels and the padded GEMMs are not the same
-    bits: CPU GEMMs of 3 and of 4 rows already differ in the last bit)."""
+    equal eager, the logprobs of both within the float64 reference's bound (float32; the kernels and
+    the padded GEMMs are not the same bits: CPU GEMMs of 3 and of 4 rows already differ in the last
+    bit)."""
     if torch.cuda.is_available():
         pytest.skip("on CUDA tests/test_gpu_hybrid.py runs this with captured graphs")
     folder = make_tiny_model("qwen3_5", seed=3)
@@ -194,7 +196,14 @@ def test_padded_graph_replays_write_only_their_rows_and_the_scratch_row(make_tin
     assert kvlog.count("8 slots (max_num_seqs) + 1 scratch slot (CUDA-graph padding) = ") == 1
     log = watch_graphs(graphed)
     got = drive(graphed, arrivals, "", logprobs=True)
-    assert_close_logprobs(got, want, 1e-4)
+    # same tokens and prefix hits; the logprobs of both within the bound of transformers' float64
+    # run (5x its own float32 spread, tests/hf_reference.py): a fixed bound sat inside the float32
+    # noise of these tiny models (1.8e-4 measured between the two here, above the 1e-4 once used)
+    assert_close_logprobs(got, want, float("inf"))
+    ids = [rid for _, rid, _, _ in arrivals]
+    ref = hf_greedy_reference(folder, [p for _, _, p, _ in arrivals], tuple(n for _, _, _, n in arrivals))
+    for outs in (want, got):
+        ref.check([outs[r][0] for r in ids], [outs[r][1] for r in ids])
     assert {3, 5} <= log.padded_rows, f"padded replays of 3 and 5 rows expected, saw {sorted(log.replays)}"
     assert log.restored > 0 and log.scratch_written > 0
     assert graphed.scheduler.num_preemptions > 0

@@ -312,7 +312,9 @@ def test_structure(kv_models) -> None:
     names = dict(model.named_parameters())
     assert "model.layers.0.linear_attn.in_proj_qkvz.weight" in names
     assert "model.layers.0.linear_attn.conv1d.weight" in names
-    assert "model.layers.0.linear_attn.in_proj_qkv.weight" in dict(kv_models["qwen3_5"].named_parameters())
+    # Qwen3.5's four GDN input projections load as the shards of one fused GEMM
+    fused = dict(kv_models["qwen3_5"].named_modules())["model.layers.0.linear_attn.in_proj_qkvzba"]
+    assert fused.shard_sizes == [2 * 2 * 16 + 4 * 24, 4 * 24, 4, 4]
     # KV scales map onto the full-attention layers' Attention modules
     assert "model.layers.1.self_attn.attn" in dict(model.named_modules())
 

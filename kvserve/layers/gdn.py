@@ -62,7 +62,8 @@ class GatedDeltaNet(nn.Module):
 
     ``grouped_layout``: Qwen3-Next's fused ``in_proj_qkvz`` / ``in_proj_ba`` (rows grouped per key
     head: [q_g | k_g | v_g (r heads) | z_g (r heads)] and [b_g (r) | a_g (r)]); otherwise Qwen3.5's
-    separate ``in_proj_qkv`` ([q | k | v]), ``in_proj_z``, ``in_proj_b``, ``in_proj_a``."""
+    separate ``in_proj_qkv`` ([q | k | v]), ``in_proj_z``, ``in_proj_b``, ``in_proj_a``, loaded as
+    the shards of one ``in_proj_qkvzba``."""
 
     def __init__(self, cfg: Any, layer_idx: int, grouped_layout: bool) -> None:
         super().__init__()
@@ -83,11 +84,10 @@ class GatedDeltaNet(nn.Module):
         if grouped_layout:
             self.in_proj_qkvz = nn.Linear(hidden, 2 * self.key_dim + 2 * self.value_dim, bias=False)
             self.in_proj_ba = nn.Linear(hidden, 2 * self.num_v_heads, bias=False)
-        else:
-            self.in_proj_qkv = nn.Linear(hidden, self.conv_dim, bias=False)
-            self.in_proj_z = nn.Linear(hidden, self.value_dim, bias=False)
-            self.in_proj_b = nn.Linear(hidden, self.num_v_heads, bias=False)
-            self.in_proj_a = nn.Linear(hidden, self.num_v_heads, bias=False)
+        else:  # the checkpoint's in_proj_qkv | in_proj_z | in_proj_b | in_proj_a as one GEMM (as vLLM)
+            self.proj_sizes = [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads]
+            self.in_proj_qkvzba = nn.Linear(hidden, sum(self.proj_sizes), bias=False)
+            self.in_proj_qkvzba.shard_sizes = self.proj_sizes
         # depthwise causal conv, stored like nn.Conv1d's weight: [conv_dim, 1, W]
         self.conv1d = nn.Module()
         self.conv1d.weight = nn.Parameter(torch.zeros(self.conv_dim, 1, self.conv_kernel))
@@ -117,9 +117,9 @@ class GatedDeltaNet(nn.Module):
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> mixed q|k|v [T, conv_dim] (conv channel order), z [T, HV, V], b [T, HV], a [T, HV]."""
         t = x.shape[0]
-        if not self.grouped_layout:
-            z = self.in_proj_z(x).view(t, self.num_v_heads, self.head_v_dim)
-            return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
+        if not self.grouped_layout:  # views of one output (row stride = all four widths)
+            mixed, z, b, a = self.in_proj_qkvzba(x).split(self.proj_sizes, dim=-1)
+            return mixed, z.view(t, self.num_v_heads, self.head_v_dim), b, a
         r = self.num_v_heads // self.num_k_heads
         k_dim, rv = self.head_k_dim, r * self.head_v_dim
         qkvz = self.in_proj_qkvz(x).view(t, self.num_k_heads, 2 * k_dim + 2 * rv)

@@ -254,6 +254,15 @@ class Qwen3NextForCausalLM(CausalLM):
     """Hybrid GDN decoder + LM head for every architecture in ``HYBRID_ARCHITECTURES``; weights load
     by Hugging Face name (q/k/v and dense gate/up fused; per-expert or 3-D fused expert tensors)."""
 
+    # Qwen3.5 / 3.6 checkpoints keep the GDN input projections apart; kvserve runs them as one GEMM
+    stacked_params = {
+        **CausalLM.stacked_params,
+        "in_proj_qkv": ("in_proj_qkvzba", 0),
+        "in_proj_z": ("in_proj_qkvzba", 1),
+        "in_proj_b": ("in_proj_qkvzba", 2),
+        "in_proj_a": ("in_proj_qkvzba", 3),
+    }
+
     is_hybrid = True
 
     def __init__(self, hf_config: Any, architecture: str = "Qwen3NextForCausalLM"):
