@@ -45,20 +45,29 @@ def _write_conv_state(state, x_ptr, start, n, c, c_ok, keep, stride_xt, W: tl.co
 
 @triton.jit(do_not_specialize=["num_channels"])
 def _conv1d_kernel(
-    x_ptr, w_ptr, state_ptr, y_ptr, qsl_ptr, slots_ptr, has_state_ptr,
+    x_ptr, w_ptr, state_ptr, y_ptr, qsl_ptr, chunks_ptr, slots_ptr, has_state_ptr,
     num_channels, stride_xt, stride_yt, stride_ss, stride_sc,
-    W: tl.constexpr, BLOCK_C: tl.constexpr,
+    W: tl.constexpr, BLOCK_C: tl.constexpr, CHUNKED: tl.constexpr, BT: tl.constexpr,
 ):
-    seq = tl.program_id(0)
+    """Program (sequence, block of channels) walking the sequence's tokens, then its new state;
+    CHUNKED: program (chunk of BT tokens, block of channels), outputs only (the states are written
+    afterwards by ``_conv_state_kernel``: another program may still read the old one)."""
+    if CHUNKED:
+        seq = tl.load(chunks_ptr + 2 * tl.program_id(0))
+        t0 = tl.load(chunks_ptr + 2 * tl.program_id(0) + 1) * BT
+    else:
+        seq = tl.program_id(0)
+        t0 = 0
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = c < num_channels
     start = tl.load(qsl_ptr + seq)
     n = tl.load(qsl_ptr + seq + 1) - start
+    t1 = tl.minimum(t0 + BT, n) if CHUNKED else n
     slot = tl.load(slots_ptr + seq).to(tl.int64)
     keep = (tl.zeros([BLOCK_C], tl.int32) + tl.load(has_state_ptr + seq)) != 0  # read the slot's state
     state = state_ptr + slot * stride_ss + c * stride_sc  # [BLOCK_C] pointers to column 0
     # e = state (W - 1 columns) ++ x (n rows); y_t = SiLU(sum_w w[c, w] * e[t + w])
-    for t in range(0, n):
+    for t in range(t0, t1):
         acc = tl.zeros([BLOCK_C], tl.float32)
         for w in tl.static_range(W):
             i = tl.zeros([BLOCK_C], tl.int32) + t + w  # position in e, per lane (keeps masks vectors)
@@ -73,41 +82,8 @@ def _conv1d_kernel(
         y = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
         y = y / (1.0 + tl.exp(-y))
         tl.store(y_ptr + (start + t).to(tl.int64) * stride_yt + c, y.to(y_ptr.dtype.element_ty), mask=c_ok)
-    _write_conv_state(state, x_ptr, start, n, c, c_ok, keep, stride_xt, W)
-
-
-@triton.jit(do_not_specialize=["num_channels"])
-def _conv1d_chunk_kernel(
-    x_ptr, w_ptr, state_ptr, y_ptr, qsl_ptr, chunks_ptr, slots_ptr, has_state_ptr,
-    num_channels, stride_xt, stride_yt, stride_ss, stride_sc,
-    W: tl.constexpr, BT: tl.constexpr, BLOCK_C: tl.constexpr,
-):
-    """Outputs only, one program per (chunk of BT tokens, block of channels), walking the chunk's
-    tokens; the states are written afterwards by ``_conv_state_kernel`` (another program may still
-    read the old one)."""
-    i_c = tl.program_id(0)
-    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    c_ok = c < num_channels
-    seq = tl.load(chunks_ptr + 2 * i_c)
-    start = tl.load(qsl_ptr + seq)
-    n = tl.load(qsl_ptr + seq + 1) - start
-    t0 = tl.load(chunks_ptr + 2 * i_c + 1) * BT
-    keep = (tl.zeros([BLOCK_C], tl.int32) + tl.load(has_state_ptr + seq)) != 0
-    state = state_ptr + tl.load(slots_ptr + seq).to(tl.int64) * stride_ss + c * stride_sc
-    wts = w_ptr + c * W
-    for t in range(t0, tl.minimum(t0 + BT, n)):
-        acc = tl.zeros([BLOCK_C], tl.float32)
-        for w in tl.static_range(W):
-            i = tl.zeros([BLOCK_C], tl.int32) + t + w  # position in e = state ++ x
-            from_state = i < W - 1
-            xs = tl.load(state + tl.minimum(i, W - 2), mask=c_ok & from_state & keep, other=0.0)
-            xr = tl.load(x_ptr + (start + i - (W - 1)).to(tl.int64) * stride_xt + c, mask=c_ok & (i >= W - 1),
-                         other=0.0)
-            acc += tl.load(wts + w, mask=c_ok, other=0.0).to(tl.float32) * tl.where(from_state, xs.to(tl.float32),
-                                                                                    xr.to(tl.float32))
-        y = acc.to(y_ptr.dtype.element_ty).to(tl.float32)  # rounded to the model dtype, then SiLU
-        y = y / (1.0 + tl.exp(-y))
-        tl.store(y_ptr + (start + t).to(tl.int64) * stride_yt + c, y.to(y_ptr.dtype.element_ty), mask=c_ok)
+    if not CHUNKED:
+        _write_conv_state(state, x_ptr, start, n, c, c_ok, keep, stride_xt, W)
 
 
 @triton.jit(do_not_specialize=["num_channels"])
@@ -144,22 +120,17 @@ def causal_conv1d_varlen(
         return y
     block = min(128, triton.next_power_of_2(C))
     weight = weight.contiguous()
+    grid = (plan.num_chunks if plan is not None else B, triton.cdiv(C, block))
+    _conv1d_kernel[grid](
+        x, weight, conv_state, y, query_start_loc, plan.chunks if plan is not None else slots, slots, has_state,
+        C, x.stride(0), y.stride(0), conv_state.stride(0), conv_state.stride(1),
+        W=W, BLOCK_C=block, CHUNKED=plan is not None, BT=plan.chunk_size if plan is not None else 1, num_warps=4,
+    )
     if plan is not None:
-        _conv1d_chunk_kernel[(plan.num_chunks, triton.cdiv(C, block))](
-            x, weight, conv_state, y, query_start_loc, plan.chunks, slots, has_state,
-            C, x.stride(0), y.stride(0), conv_state.stride(0), conv_state.stride(1),
-            W=W, BT=plan.chunk_size, BLOCK_C=block, num_warps=4,
-        )
         _conv_state_kernel[(B, triton.cdiv(C, block))](
             x, conv_state, query_start_loc, slots, has_state, C, x.stride(0), conv_state.stride(0),
             conv_state.stride(1), W=W, BLOCK_C=block, num_warps=4,
         )
-        return y
-    _conv1d_kernel[(B, triton.cdiv(C, block))](
-        x, weight, conv_state, y, query_start_loc, slots, has_state,
-        C, x.stride(0), y.stride(0), conv_state.stride(0), conv_state.stride(1),
-        W=W, BLOCK_C=block, num_warps=4,
-    )
     return y
 
 

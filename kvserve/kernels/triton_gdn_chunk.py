@@ -204,6 +204,15 @@ def _prep_kernel(
 
 
 @triton.jit
+def _chunk_rows(qsl_ptr, chunks_ptr, i_c, BT: tl.constexpr):
+    """Chunk ``i_c``'s token rows (int64) and which of them are in its sequence."""
+    seq = tl.load(chunks_ptr + 2 * i_c)
+    eos = tl.load(qsl_ptr + seq + 1).to(tl.int64)
+    rows = tl.load(qsl_ptr + seq).to(tl.int64) + tl.load(chunks_ptr + 2 * i_c + 1).to(tl.int64) * BT + tl.arange(0, BT)
+    return rows, rows < eos
+
+
+@triton.jit
 def _wu_kernel(
     kn_ptr, v_ptr, T_ptr, g_ptr, beta_ptr, qsl_ptr, chunks_ptr, w_ptr, u_ptr, stride_v,
     HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr, K_PAD: tl.constexpr,
@@ -212,12 +221,8 @@ def _wu_kernel(
     i_c = tl.program_id(0)
     hv = tl.program_id(1)
     h = hv // GROUP
-    seq = tl.load(chunks_ptr + 2 * i_c)
-    eos = tl.load(qsl_ptr + seq + 1).to(tl.int64)
-    t0 = tl.load(qsl_ptr + seq).to(tl.int64) + tl.load(chunks_ptr + 2 * i_c + 1).to(tl.int64) * BT
+    rows, ok = _chunk_rows(qsl_ptr, chunks_ptr, i_c, BT)
     o_t = tl.arange(0, BT)
-    rows = t0 + o_t
-    ok = rows < eos
     kk = tl.arange(0, K_PAD)
     vv = tl.arange(0, V_PAD)
     # T is block lower triangular; the blocks above the diagonal were never written
@@ -308,12 +313,8 @@ def _output_kernel(
     hv = tl.program_id(1)
     i_v = tl.program_id(2)
     h = hv // GROUP
-    seq = tl.load(chunks_ptr + 2 * i_c)
-    eos = tl.load(qsl_ptr + seq + 1).to(tl.int64)
-    t0 = tl.load(qsl_ptr + seq).to(tl.int64) + tl.load(chunks_ptr + 2 * i_c + 1).to(tl.int64) * BT
+    rows, ok = _chunk_rows(qsl_ptr, chunks_ptr, i_c, BT)
     o_t = tl.arange(0, BT)
-    rows = t0 + o_t
-    ok = rows < eos
     kk = tl.arange(0, K_PAD)
     k_ok = kk < K
     vcol = i_v * BV + tl.arange(0, BV)
