@@ -98,7 +98,8 @@ def _inputs(n: int, length: int, H: int, HV: int, K: int, V: int, seed: int):
 
 def bench_prefill(H: int, HV: int, K: int, V: int, cases: list[tuple[int, int]], reps: int, fla,
                   check_tokens: int) -> list:
-    from kvserve.kernels.triton_gdn_chunk import chunk_gated_delta_rule, plan_chunks
+    from kvserve.kernels.triton_gdn import plan_chunks
+    from kvserve.kernels.triton_gdn_chunk import chunk_gated_delta_rule
 
     rows = []
     for n, length in cases:
@@ -159,7 +160,7 @@ def bench_prefill(H: int, HV: int, K: int, V: int, cases: list[tuple[int, int]],
 
 def bench_conv(C: int, W: int, cases: list[tuple[int, int]], reps: int) -> list:
     from kvserve.kernels.triton_gdn import causal_conv1d_varlen
-    from kvserve.kernels.triton_gdn_chunk import plan_chunks
+    from kvserve.kernels.triton_gdn import plan_chunks
 
     rows = []
     for n, length in cases:

@@ -52,7 +52,7 @@ def test_causal_conv1d_varlen_equals_reference(dtype, shape, W, chunked):
     """Both launch forms: each program walking its sequence (decodes), and all tokens in parallel
     over a chunk plan (prefills: sequences shorter than W - 1, one chunk, several chunks)."""
     from kvserve.kernels.triton_gdn import causal_conv1d_varlen
-    from kvserve.kernels.triton_gdn_chunk import plan_chunks
+    from kvserve.kernels.triton_gdn import plan_chunks
 
     H, HV, K, V = shape
     C = 2 * H * K + HV * V
@@ -120,7 +120,8 @@ def test_chunk_gated_delta_rule_equals_reference(dtype, case):
     and T, the chunk states, v_new), each a relative error of at most the unit roundoff u; the bound
     is 4u of the largest reference value (fp32: the two summation orders differ by ~1.5e-6 of it,
     measured; 4u is 2.4e-7, so fp32 gets 2e-5, 13x the measured difference)."""
-    from kvserve.kernels.triton_gdn_chunk import chunk_gated_delta_rule, plan_chunks
+    from kvserve.kernels.triton_gdn import plan_chunks
+    from kvserve.kernels.triton_gdn_chunk import chunk_gated_delta_rule
 
     (H, HV, K, V), lens = case
     gen = torch.Generator().manual_seed(zlib.crc32(repr((str(dtype), H, HV, K, V)).encode()))

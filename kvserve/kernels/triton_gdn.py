@@ -18,14 +18,47 @@ chunk-parallel form in ``triton_gdn_chunk.py``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-if TYPE_CHECKING:
-    from kvserve.kernels.triton_gdn_chunk import ChunkPlan
+CHUNK = 64  # tokens per chunk of a prefill step (the chunk-parallel rule: four 16-row blocks)
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """Where the chunks of a step's sequences are: ``chunks[i] = (sequence, chunk index in it)``
+    and ``offsets[s]`` the first chunk of sequence ``s`` (``offsets[-1]`` chunks in all)."""
+
+    chunks: torch.Tensor  # [NT, 2] int32
+    offsets: torch.Tensor  # [B + 1] int32
+    num_chunks: int
+    chunk_size: int = CHUNK
+
+
+def plan_chunks(query_lens: list[int], device: torch.device) -> ChunkPlan:
+    """The chunk plan of a step from its host-side query lengths (one host-to-device copy)."""
+    chunks, offsets = [], [0]
+    for s, n in enumerate(query_lens):
+        nc = -(-n // CHUNK)
+        chunks.extend((s, c) for c in range(nc))
+        offsets.append(offsets[-1] + nc)
+    flat = [x for pair in chunks for x in pair] + offsets
+    t = torch.tensor(flat, dtype=torch.int32).to(device, non_blocking=True)
+    return ChunkPlan(t[: 2 * len(chunks)].view(-1, 2), t[2 * len(chunks):], len(chunks))
+
+
+
+@triton.jit
+def gdn_gates(a, b, decay_rate, dt_bias):
+    """``gdn_reference.gdn_gates`` on loaded raw projections (any shape): ``g = -exp(A_log) *
+    softplus(a + dt_bias)`` (fp32, torch's softplus threshold 20; ``decay_rate = exp(A_log)``) and
+    ``beta = sigmoid(b)`` rounded to the model dtype as torch's bf16/fp16 sigmoid."""
+    x = a.to(tl.float32) + dt_bias
+    g = -decay_rate * tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
+    return g, tl.sigmoid(b.to(tl.float32)).to(b.dtype).to(tl.float32)
 
 
 @triton.jit
@@ -103,12 +136,12 @@ def _conv_state_kernel(
 
 def causal_conv1d_varlen(
     x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, query_start_loc: torch.Tensor,
-    slots: torch.Tensor, has_state: torch.Tensor, plan: "ChunkPlan | None" = None,
+    slots: torch.Tensor, has_state: torch.Tensor, plan: ChunkPlan | None = None,
 ) -> torch.Tensor:
     """x [T, C] raw inputs of the step's sequences; weight [C, W]; conv_state [slots, C, W - 1]
     (updated in place); query_start_loc [B + 1], slots [B], has_state [B] int32. Returns y [T, C].
 
-    ``plan`` (``triton_gdn_chunk.plan_chunks``, prefill steps): all tokens in parallel, one program
+    ``plan`` (``plan_chunks``, prefill steps): all tokens in parallel, one program
     per (chunk, channel block), then the states; without it each program walks its sequence's tokens
     (decodes)."""
     T, C = x.shape
@@ -164,11 +197,8 @@ def _delta_rule_kernel(
         qv = qv * tl.rsqrt(tl.sum(qv * qv, axis=0) + 1e-6) * scale
         kv = kv * tl.rsqrt(tl.sum(kv * kv, axis=0) + 1e-6)
         vv = tl.load(v_ptr + row * stride_vt + hv * stride_vh + vcol, mask=v_ok, other=0.0).to(tl.float32)
-        # the gates as gdn_reference.gdn_gates: softplus with torch's threshold 20, sigmoid in the model dtype
-        a = tl.load(a_ptr + row * stride_at + hv).to(tl.float32) + dt_bias
-        g = -decay_rate * tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))
-        b = tl.load(b_ptr + row * stride_bt + hv)
-        beta = tl.sigmoid(b.to(tl.float32)).to(b.dtype).to(tl.float32)
+        g, beta = gdn_gates(tl.load(a_ptr + row * stride_at + hv), tl.load(b_ptr + row * stride_bt + hv),
+                            decay_rate, dt_bias)
         S = S * tl.exp(g)
         u = (vv - tl.sum(S * kv[:, None], axis=0)) * beta  # beta (v - S^T k): [BLOCK_V]
         S = S + kv[:, None] * u[None, :]

@@ -1,7 +1,7 @@
 """Chunk-parallel Gated DeltaNet prefill on tensor cores (the WY form, fla's decomposition).
 
-A step's sequences are cut into chunks of ``BT = 64`` tokens (the last chunk of a sequence may be
-shorter). Four launches, each over every chunk of every sequence except the third:
+A step's sequences are cut into chunks of ``BT = 64`` tokens (``triton_gdn.plan_chunks``; the last
+chunk of a sequence may be shorter). Four launches, each over every chunk of every sequence except the third:
 
 1. ``_prep_kernel`` (chunk, value head): the gates from the raw projections (``g = -exp(A_log) *
    softplus(a + dt_bias)``, ``beta = sigmoid(b)``), their cumulative sum inside the chunk (kept in
@@ -28,19 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
-CHUNK = 64  # tokens per chunk (four 16-row blocks in the triangular solve)
+from kvserve.kernels.triton_gdn import CHUNK, ChunkPlan, gdn_gates
+
 _BC = 16
-
-
-@dataclass(frozen=True)
-class ChunkPlan:
-    """Where the chunks of a step's sequences are: ``chunks[i] = (sequence, chunk index in it)``
-    and ``offsets[s]`` the first chunk of sequence ``s`` (``offsets[-1]`` chunks in all)."""
-
-    chunks: torch.Tensor  # [NT, 2] int32
-    offsets: torch.Tensor  # [B + 1] int32
-    num_chunks: int
-    chunk_size: int = CHUNK
 
 
 @dataclass
@@ -65,18 +55,6 @@ def _stages(n: int | None) -> dict:
     return {} if n is None else {"num_stages": n}
 
 
-def plan_chunks(query_lens: list[int], device: torch.device) -> ChunkPlan:
-    """The chunk plan of a step from its host-side query lengths (one host-to-device copy)."""
-    chunks, offsets = [], [0]
-    for s, n in enumerate(query_lens):
-        nc = -(-n // CHUNK)
-        chunks.extend((s, c) for c in range(nc))
-        offsets.append(offsets[-1] + nc)
-    flat = [x for pair in chunks for x in pair] + offsets
-    t = torch.tensor(flat, dtype=torch.int32).to(device, non_blocking=True)
-    return ChunkPlan(t[: 2 * len(chunks)].view(-1, 2), t[2 * len(chunks):], len(chunks))
-
-
 @triton.jit
 def _inverse_diag(A, o_i, BC: tl.constexpr):
     """(I + A)^-1 of a strictly lower [BC, BC] block by forward substitution (fp32, in registers)."""
@@ -92,12 +70,10 @@ def _inverse_diag(A, o_i, BC: tl.constexpr):
 @triton.jit
 def _block_gates(a_ptr, b_ptr, stride_a, stride_b, hv, rows, ok, A_log, dt_bias, offset):
     """One 16-row block's gates: (cumulative g in log2 units continuing from ``offset``, beta)."""
-    a = tl.load(a_ptr + rows * stride_a + hv, mask=ok, other=0.0).to(tl.float32) + dt_bias
-    softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))  # torch's softplus (threshold 20)
-    g = tl.where(ok, -tl.exp(A_log) * softplus, 0.0)
-    b = tl.load(b_ptr + rows * stride_b + hv, mask=ok, other=0.0)
-    beta = tl.sigmoid(b.to(tl.float32)).to(b.dtype).to(tl.float32)  # sigmoid in the model dtype, as torch
-    return offset + tl.cumsum(g, 0) * 1.4426950408889634, beta
+    g, beta = gdn_gates(tl.load(a_ptr + rows * stride_a + hv, mask=ok, other=0.0),
+                        tl.load(b_ptr + rows * stride_b + hv, mask=ok, other=0.0), tl.exp(A_log), dt_bias)
+    g = tl.where(ok, g, 0.0)  # padded rows: no decay
+    return offset + tl.cumsum(g, 0) * 1.4426950408889634, tl.where(ok, beta, 0.0)
 
 
 @triton.jit

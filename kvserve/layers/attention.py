@@ -39,13 +39,13 @@ class AttentionMetadata:
     state_slots_t: torch.Tensor | None = None  # the same as int32 device tensors (triton backend)
     has_initial_state_t: torch.Tensor | None = None
     _plan: reference.AttentionPlan | None = None
-    _gdn_chunks: Any = None  # kernels.triton_gdn_chunk.ChunkPlan
+    _gdn_chunks: Any = None  # kernels.triton_gdn.ChunkPlan
 
     @property
     def gdn_chunks(self) -> Any:
         """The GDN prefill's chunk plan (triton backend), built once per step for all layers."""
         if self._gdn_chunks is None:
-            from kvserve.kernels.triton_gdn_chunk import plan_chunks
+            from kvserve.kernels.triton_gdn import plan_chunks
 
             assert self.query_start_loc is not None
             self._gdn_chunks = plan_chunks(self.query_lens, self.query_start_loc.device)
