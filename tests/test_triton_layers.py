@@ -1,6 +1,7 @@
 """The fused Triton layer kernels (kernels/triton_layers.py) against their torch twins in layers/:
-RMSNorm (plain, with residual, per head over a strided q view), rotary (full and partial) and
-SiLU-and-mul, bf16 and fp16 (fp32 for the function), on fresh random inputs. CPU: interpreter."""
+RMSNorm and the zero-centred RMSNorm (plain, with residual, per head over a strided q view), rotary
+(full and partial) and SiLU-and-mul, bf16 and fp16 (fp32 for the function), on fresh random inputs.
+CPU: interpreter."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvserve.layers.norm import RMSNorm
+from kvserve.layers.norm import RMSNorm, ZeroCenteredRMSNorm
 from kvserve.layers.rotary import RotaryEmbedding
 from triton_support import kernel_device, skip_without_triton_device
 
@@ -71,6 +72,46 @@ def test_rms_norm_per_head_on_a_strided_view(dtype):
         norm.fused = True
         got = norm(q)
     _close(got, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [64, 576, 1024])
+def test_zero_centered_rms_norm_matches_torch(dtype, n):
+    """``(1 + w)`` multiplied in fp32 before the one cast (Qwen3-Next layer norms)."""
+    g = torch.Generator().manual_seed(n + 1)
+    norm = ZeroCenteredRMSNorm(n, 1e-6).to(DEV, dtype)
+    with torch.no_grad():
+        norm.weight.copy_((0.3 * torch.randn(n, generator=g)).to(dtype))
+    x = (torch.randn(37, n, generator=g) * 3).to(DEV, dtype)
+    res = (torch.randn(37, n, generator=g) * 5).to(DEV, dtype)
+    with torch.no_grad():
+        want, want_res = norm(x, res)
+        plain = norm(x)
+    norm.fused = True
+    with torch.no_grad():
+        got, got_res = norm(x, res)
+        got_plain = norm(x)
+    assert torch.equal(got_res, want_res)
+    _close(got, want)
+    _close(got_plain, plain)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_zero_centered_rms_norm_per_head_on_a_strided_view(dtype):
+    """q/k norm (Qwen3-Next): q chunked out of per-head [query | gate], k viewed out of the qkv row."""
+    g = torch.Generator().manual_seed(6)
+    t, h, kv, d = 11, 4, 2, 64
+    qkv = (torch.randn(t, (2 * h + 2 * kv) * d, generator=g) * 2).to(DEV, dtype)
+    q = qkv[:, : 2 * h * d].view(t, h, 2 * d).chunk(2, dim=-1)[0]
+    k = qkv[:, 2 * h * d : (2 * h + kv) * d].view(t, kv, d)
+    norm = ZeroCenteredRMSNorm(d, 1e-6).to(DEV, dtype)
+    with torch.no_grad():
+        norm.weight.copy_((0.3 * torch.randn(d, generator=g)).to(dtype))
+        want_q, want_k = norm(q), norm(k)
+        norm.fused = True
+        got_q, got_k = norm(q), norm(k)
+    _close(got_q, want_q)
+    _close(got_k, want_k)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

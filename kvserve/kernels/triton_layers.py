@@ -3,10 +3,11 @@ RMSNorm of the GDN output, rotary embedding and SiLU-and-mul, each one launch in
 torch kernels.
 
 Each reproduces its torch twin in ``layers/`` rounding for rounding (the model-dtype add, fp32
-statistics, a rounding to the model dtype before the weight multiply, the rotary products rounded
-one by one), so outputs match to the last bit except where the fp32 sum of squares is reduced in a
-different order. Used for bf16/fp16 models on CUDA with the triton backend (``layers/`` decides);
-float32 models keep the torch ops, whose exactness runs were measured.
+statistics, a rounding to the model dtype before the weight multiply (none for the zero-centred
+``(1 + w)`` norm), the rotary products rounded one by one), so outputs match to the last bit except
+where the fp32 sum of squares is reduced in a different order. Used for bf16/fp16 models on CUDA
+with the triton backend (``layers/`` decides); float32 models keep the torch ops, whose exactness
+runs were measured.
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ def _rmsnorm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     heads, stride_xt, stride_xh, stride_rt, stride_ot, stride_oh, stride_rot,
     n, eps,
-    HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RES: tl.constexpr, ZERO_CENTERED: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """One row: x[t, h, :n] (h < heads; heads = 1 for plain [T, n] rows)."""
+    """One row: x[t, h, :n] (h < heads; heads = 1 for plain [T, n] rows); ZERO_CENTERED: ``(1 + w)``
+    multiplied in fp32 before the one cast (``ZeroCenteredRMSNorm``)."""
     pid = tl.program_id(0).to(tl.int64)
     t = pid // heads
     h = pid % heads
@@ -36,17 +38,21 @@ def _rmsnorm_kernel(
         tl.store(res_out_ptr + t * stride_rot + cols, x, mask=mask)
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, axis=0) / n
-    y = (xf * (1.0 / tl.sqrt(var + eps))).to(x_ptr.dtype.element_ty)
+    y = xf * (1.0 / tl.sqrt(var + eps))
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    out = (w.to(tl.float32) * y.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    if ZERO_CENTERED:
+        out = (y * (1.0 + w.to(tl.float32))).to(out_ptr.dtype.element_ty)
+    else:
+        out = (w.to(tl.float32) * y.to(x_ptr.dtype.element_ty).to(tl.float32)).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + cols, out, mask=mask)
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+    zero_centered: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """``RMSNorm.forward``: x [T, n] or [T, H, n] (last dim contiguous); with ``residual`` [T, n],
-    returns (norm(x + residual), x + residual)."""
+    """``RMSNorm.forward`` (``ZeroCenteredRMSNorm.forward`` with ``zero_centered``): x [T, n] or
+    [T, H, n] (last dim contiguous); with ``residual`` [T, n], returns (norm(x + residual), x + residual)."""
     assert x.stride(-1) == 1 and weight.is_contiguous()
     n = x.shape[-1]
     if x.dim() == 3:
@@ -66,7 +72,7 @@ def rms_norm(
             x, res, weight, out, res_out,
             heads, sxt, sxh, res.stride(0), sot, soh, res_out.stride(0),
             n, float(eps),
-            HAS_RES=residual is not None, BLOCK=block,
+            HAS_RES=residual is not None, ZERO_CENTERED=zero_centered, BLOCK=block,
             num_warps=max(1, min(8, block // 256)),
         )
     return (out, res_out) if residual is not None else out

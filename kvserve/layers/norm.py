@@ -37,13 +37,13 @@ class RMSNorm(nn.Module):
 class ZeroCenteredRMSNorm(nn.Module):
     """``(1 + w) * (x / rms(x))`` with the weight stored as an offset around 0 (Gemma / Qwen3-Next /
     Qwen3.5 layer norms). Unlike :class:`RMSNorm` the weight multiply happens in float32 before the
-    cast back (transformers' ``Qwen3NextRMSNorm``). Same ``residual`` convention as :class:`RMSNorm`.
-    No ``fused`` attribute: the Triton ``rms_norm`` kernel computes plain ``w * x``."""
+    cast back (transformers' ``Qwen3NextRMSNorm``). Same ``residual`` convention as :class:`RMSNorm`."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(hidden_size))
         self.eps = eps
+        self.fused = False  # rms_norm(..., zero_centered=True), set by the model runner
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         out = x.float()
@@ -54,6 +54,10 @@ class ZeroCenteredRMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.fused:
+            from kvserve.kernels.triton_layers import rms_norm
+
+            return rms_norm(x, self.weight, self.eps, residual, zero_centered=True)
         if residual is None:
             return self._norm(x)
         x = x + residual
