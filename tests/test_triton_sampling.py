@@ -18,9 +18,10 @@ DEV = kernel_device()
 pytestmark = skip_without_triton_device()
 
 
-def _run(logits, temps, keys, counters):
+def _run(logits, temps, keys, counters, splits=None):
     t = lambda v, dt: torch.tensor(v, dtype=dt, device=DEV)  # noqa: E731
-    return gumbel_argmax(logits.to(DEV), t(temps, torch.float32), t(keys, torch.int32), t(counters, torch.int32)).cpu()
+    args = (logits.to(DEV), t(temps, torch.float32), t(keys, torch.int32), t(counters, torch.int32))
+    return gumbel_argmax(*args, splits=splits).cpu()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -34,6 +35,25 @@ def test_greedy_rows_are_argmax_with_lowest_id_ties(dtype, vocab):
     got = _run(x, [0.0] * 5, [123] * 5, [0, 1, 2, 3, 4])
     assert got.tolist() == x.float().argmax(dim=-1).tolist()
     assert got[1] == vocab // 2 and got[2] == vocab - 1 and got[3] == 0
+
+
+@pytest.mark.parametrize("vocab,rows", [(7, 6), (5000, 6), (70000, 3)])
+def test_splits_give_the_same_tokens(vocab, rows):
+    """Splitting a row's vocabulary over programs keeps every column's uniform: splits 1, 2, 3 and
+    auto draw the same tokens; greedy rows are ``torch.argmax``, a tie across two splits included."""
+    gen = torch.Generator().manual_seed(vocab)
+    x = torch.randn(rows, vocab, generator=gen) * 2.0
+    lo, hi = 1, vocab - 1  # in the first and last split (5000: 2 groups of 4096 columns, 70,000: 18)
+    x[0, lo] = x[0, hi] = 40.0
+    temps = [0.0, 0.5, 1.0, 0.0, 1.7, 0.8][:rows]
+    keys = [seeded_key(5, i) if i % 2 else 77 for i in range(rows)]
+    got = [_run(x, temps, keys, [i * vocab for i in range(rows)], splits=n) for n in (1, 2, 3, None)]
+    for other in got[1:]:
+        assert other.tolist() == got[0].tolist()
+    greedy = [i for i, t in enumerate(temps) if t == 0.0]
+    sampled = [i for i, t in enumerate(temps) if t > 0.0]
+    assert got[0][greedy].tolist() == x[greedy].argmax(dim=-1).tolist() and got[0][0] == lo
+    assert got[0][sampled].tolist() != x[sampled].argmax(dim=-1).tolist()  # the noise is there
 
 
 @pytest.mark.parametrize("vocab,temp,n", [(24, 0.7, 2000), (24, 2.0, 2000), (4500, 1.0, 800)])

@@ -99,9 +99,11 @@ def warm_up_kernels(runner: "RunnerView") -> int:
     if runner.sampler.fused:
         from kvserve.kernels.triton_sampling import gumbel_argmax
 
-        rows = logits.shape[0]
-        zeros = torch.zeros(rows, dtype=torch.int32, device=runner.device)
-        gumbel_argmax(logits, torch.full((rows,), 0.7, device=runner.device), zeros, zeros)
+        # one row (vocabulary split over programs) and the last batch (maybe one program a row)
+        for part in (logits[:1], logits):
+            rows = part.shape[0]
+            zeros = torch.zeros(rows, dtype=torch.int32, device=runner.device)
+            gumbel_argmax(part, torch.full((rows,), 0.7, device=runner.device), zeros, zeros)
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     logger.info("Warmed up the kernels with %d dummy steps in %.1f s", len(batches), time.perf_counter() - t0)
