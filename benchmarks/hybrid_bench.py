@@ -5,9 +5,10 @@ in the same run, ``kvserve traffic``'s predicted fp8 change beside the measured 
 transformers' ``generate`` on the same model as the prefill peer (its continuous batching rejects
 hybrid layers; warmed at each timed shape, so fla-core, when installed, has autotuned).
 
-Prefill tok/s = concurrency x ISL / (time from submitting the batch to its last first token).
-Decode: at each decode concurrency, the batch's time for OSL output tokens less its time for one
-(the prefill), over OSL - 1 steps = the decode step; against the step's roofline, ``kvserve
+Prefill tok/s = concurrency x ISL / (time from submitting the batch to its last first token; the
+median of ``--repeats`` runs). Decode: at each decode concurrency the engine is stepped by hand;
+the decode step = the time from every request holding its 2nd token to every request holding its
+last, over the tokens between (no prefill in it); against the step's roofline, ``kvserve
 traffic``'s bytes (weights + KV read and written + recurrent state read and written, at the mean
 context) over the device-to-device copy bandwidth measured in the same run.
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -84,9 +86,33 @@ def _timed_generate(llm: LLM, prompts: list, params: SamplingParams) -> float:
     return time.perf_counter() - t
 
 
+def _decode_steps(llm: LLM, prompts: list, osl: int) -> tuple[float, float]:
+    """Run the batch to ``osl`` tokens each, stepping the engine by hand: (seconds in all, the decode
+    step = the time from every request holding its 2nd token to every request holding its last,
+    over the tokens between; prefill time and its spread stay out of it)."""
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=osl, ignore_eos=True, detokenize=False)
+    ids = [f"decode-{i}" for i in range(len(prompts))]
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for rid, p in zip(ids, prompts):
+        engine.add_request(rid, p, params)
+    states = [engine.states[r] for r in ids]
+    marks = []  # (time, fewest tokens any request holds) after each step
+    while engine.has_unfinished_requests():
+        engine.step()
+        marks.append((time.perf_counter(), min(len(s.token_ids) for s in states)))
+    full = marks[-1][0] - t0
+    assert marks[-1][1] == osl
+    t_a, n_a = next(m for m in marks if m[1] >= 2)
+    t_b, n_b = next(m for m in marks if m[1] >= osl)
+    return full, (t_b - t_a) / max(n_b - n_a, 1)
+
+
 def run_kvserve(folder: Path, kv: str, isl: int, concurrency: list[int], vocab: int, dtype: str, budget: int,
                 kv_cache_memory: int | None = None, decode_concurrency: tuple[int, ...] = (), osl: int = 0,
-                bandwidth: float | None = None) -> dict:
+                bandwidth: float | None = None, repeats: int = 1) -> dict:
     t0 = time.perf_counter()
     llm = LLM(str(folder), load_format="dummy", skip_tokenizer_init=True, dtype=dtype, kv_cache_dtype=kv,
               max_num_seqs=max([*concurrency, *decode_concurrency]), max_num_batched_tokens=budget,
@@ -100,18 +126,18 @@ def run_kvserve(folder: Path, kv: str, isl: int, concurrency: list[int], vocab: 
     rows = []
     for c in concurrency:
         prompts = [{"prompt_token_ids": p} for p in _prompts(c, isl, vocab, c)]
-        dt = _timed_generate(llm, prompts, params)
-        rows.append({"concurrency": c, "seconds": dt, "prefill_tok_s": c * isl / dt})
-        print(f"[kvserve {kv}] concurrency {c:3d}: {c * isl / dt:10.0f} prefill tok/s ({dt * 1e3:.1f} ms)", flush=True)
+        times = [_timed_generate(llm, prompts, params) for _ in range(repeats)]
+        dt = statistics.median(times)
+        rows.append({"concurrency": c, "seconds": dt, "prefill_tok_s": c * isl / dt, "all_seconds": times})
+        print(f"[kvserve {kv}] concurrency {c:3d}: {c * isl / dt:10.0f} prefill tok/s ({dt * 1e3:.1f} ms, median of "
+              f"{repeats}: {', '.join(f'{x * 1e3:.1f}' for x in times)})", flush=True)
     decode = []
     shape = model_shape(str(folder))
-    long = SamplingParams(temperature=0, max_tokens=osl, ignore_eos=True, detokenize=False)
     for c in decode_concurrency:
         prompts = [{"prompt_token_ids": p} for p in _prompts(c, isl, vocab, 1000 + c)]
-        _timed_generate(llm, prompts, long)  # warm-up: the decode graphs' first replays
-        first, full = _timed_generate(llm, prompts, params), _timed_generate(llm, prompts, long)
-        step = (full - first) / (osl - 1)
-        row = {"concurrency": c, "seconds": full, "out_tok_s": c * osl / full, "prefill_s": first, "step_ms": step * 1e3}
+        _decode_steps(llm, prompts, min(osl, 16))  # warm-up: the decode graphs' first replays
+        full, step = _decode_steps(llm, prompts, osl)
+        row = {"concurrency": c, "seconds": full, "out_tok_s": c * osl / full, "step_ms": step * 1e3}
         if bandwidth:
             t = traffic(shape, isl, osl, c, kv_cache_dtype=kv, bandwidth=bandwidth)
             roof = t.memory_s(getattr(t, t.selected).decode_mean)
@@ -172,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-concurrency", default="1,8,32,64", help="decode batch sizes ('' = no decode)")
     ap.add_argument("--osl", type=int, default=256, help="output tokens of the decode runs")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--repeats", type=int, default=3, help="timed prefills per concurrency (the median is reported)")
     ap.add_argument("--smoke", action="store_true", help="CPU: a tiny config, ISL 64, concurrency 1,2, OSL 8")
     ap.add_argument("--out", default=None, help="JSON path (written after every engine)")
     a = ap.parse_args(argv)
@@ -201,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
 
     for kv in [k for k in a.kv.split(",") if k]:
         res["kvserve"][kv] = run_kvserve(folder, kv, isl, conc, vocab, dtype, max(a.max_num_batched_tokens, isl),
-                                         kv_memory, decode_conc, osl, bandwidth)
+                                         kv_memory, decode_conc, osl, bandwidth, 1 if a.smoke else a.repeats)
         save()
     shape = model_shape(str(folder))
     for c in conc:
@@ -216,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{t['prefill_roofline_change_pct']:+.1f}% roofline)", flush=True)
         for b, f in zip(res["kvserve"]["bfloat16"]["decode"], res["kvserve"]["fp8"]["decode"]):
             t = traffic(shape, isl, osl, b["concurrency"])
-            print(f"decode c{b['concurrency']:3d}: fp8 / bf16 out tok/s {f['out_tok_s'] / b['out_tok_s']:.3f} "
+            print(f"decode c{b['concurrency']:3d}: fp8 / bf16 decode speed (bf16 step / fp8 step) "
+                  f"{b['step_ms'] / f['step_ms']:.3f}, out tok/s {f['out_tok_s'] / b['out_tok_s']:.3f} "
                   f"(traffic predicts {t.change_pct('decode_mean'):+.1f}% bytes time)", flush=True)
     save()
     if peer:
