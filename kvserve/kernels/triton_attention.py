@@ -262,7 +262,8 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device
 
 
 def _tile_config(
-    max_query_len: int, group: int, head_pad: int, is_cuda: bool, fp8: bool = False, split: bool = False
+    max_query_len: int, group: int, head_pad: int, is_cuda: bool, fp8: bool = False, split: bool = False,
+    ieee: bool = False,
 ) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, TILE_N, num_warps, num_stages, maxnreg; 0 = no cap) for the batch shape (tuned on
     the H200 with probes now in git history, findings in benchmarks/HISTORY.md: decode
@@ -277,6 +278,10 @@ def _tile_config(
             return block_m, tile_n, 4, (2 if is_cuda else 1), (168 if head_pad <= 128 else 0)
         tile_n = (128 if split else 64) if head_pad <= 128 else 32
         return block_m, tile_n, 4, ((2 if split else 3) if is_cuda else 1), 0
+    if head_pad > 128 and not ieee:
+        # head 256 (Qwen3.5 / 3.6, G = 6): 128 rows x 64 keys, 8 warps; 1.8-2.4x the 32 x 32 tiles
+        # (probe at 0eec917, benchmarks/HISTORY.md); float32 keeps the small tiles (shared memory)
+        return max(128, g), 64, 8, (2 if is_cuda else 1), 0
     block_m = max(64, g) if head_pad <= 128 else max(32, g)
     tile_n = 64 if head_pad <= 128 else 32
     return block_m, tile_n, (4 if block_m <= 64 else 8), (2 if is_cuda else 1), 0
@@ -321,7 +326,7 @@ def paged_attention(
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, query.device) if max_query_len == 1 else 1
     block_m, tile_n, num_warps, num_stages, *maxnreg = tiles or _tile_config(
-        max_query_len, group, head_pad, is_cuda, quant is not None, num_splits > 1
+        max_query_len, group, head_pad, is_cuda, quant is not None, num_splits > 1, query.dtype == torch.float32
     )
     launch_opts = {"maxnreg": maxnreg[0]} if is_cuda and maxnreg and maxnreg[0] else {}
     block_q = block_m // triton.next_power_of_2(group)
