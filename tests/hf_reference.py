@@ -113,3 +113,64 @@ def hf_greedy_reference(folder: Path, prompts: list[list[int]], max_tokens: tupl
         tokens.append(new)
         lps.append(want)
     return GreedyReference(tokens, lps, spread, margin)
+
+
+LOW_SPREAD_FACTOR = 4.0
+
+
+@dataclass
+class LowPrecisionReference:
+    """The float64 truth along transformers' float64 greedy path, for a bf16 / fp16 run: its own
+    spread is how far transformers in that dtype lies from the truth on the same path (teacher
+    forced), and the bound is ``LOW_SPREAD_FACTOR`` x that spread. kvserve rounds in another,
+    equally valid order, so its distance is of the same size: over 10 bf16 runs on the CPU (5 tiny
+    hybrid models, seeds 3-6, x the reference and the Triton (interpreter) backends, the prompts
+    of tests/test_hybrid_graphs.py) it was 0.6-2.8x the spread (median 1.0x), both backends alike
+    on each model. The tiny models' bf16 spread is large (0.26-0.55 nats: std 0.2 random weights
+    through recurrent layers); float32 runs carry the tight checks (``GreedyReference``)."""
+
+    tokens: list[list[int]]
+    truth: list[torch.Tensor]  # per prompt [n, vocab] float64 log-softmax, teacher forced on ``tokens``
+    spread: float
+    dtype: torch.dtype
+
+    @property
+    def bound(self) -> float:
+        return LOW_SPREAD_FACTOR * self.spread
+
+    def check(self, tokens: list[list[int]], logprobs: list[list[float]]) -> float:
+        """Each step on the path: the logprob of the token taken within the bound of its float64
+        truth; leaving the path is allowed only at a near-tie (float64 gap between the path's token
+        and the one taken <= 2 x bound) and ends that prompt's comparison. Returns the largest error."""
+        worst = 0.0
+        for i, (got_t, got_lp) in enumerate(zip(tokens, logprobs)):
+            truth, path = self.truth[i], self.tokens[i]
+            for j, (t, lp) in enumerate(zip(got_t, got_lp)):
+                err = abs(lp - float(truth[j, t]))
+                worst = max(worst, err)
+                assert err <= self.bound, (
+                    f"prompt {i} step {j}: |logprob - float64 reference| {err:.3e} > bound {self.bound:.3e} "
+                    f"({LOW_SPREAD_FACTOR:g} x transformers' own {self.dtype} spread {self.spread:.3e})")
+                if t != path[j]:
+                    gap = float(truth[j, path[j]] - truth[j, t])
+                    assert gap <= 2 * self.bound, (
+                        f"prompt {i} step {j}: token {t} instead of {path[j]}, float64 gap {gap:.3e} "
+                        f"> 2 x bound {self.bound:.3e}: not a near-tie")
+                    break
+        return worst
+
+
+def hf_low_precision_reference(folder: Path, prompts: list[list[int]], max_tokens: tuple[int, ...],
+                               dtype: torch.dtype = torch.bfloat16) -> LowPrecisionReference:
+    """transformers' float64 greedy path of each prompt, its float64 log-softmax along it, and the
+    spread of transformers in ``dtype`` on the same path (teacher forced, chosen tokens)."""
+    m64, low = _load(folder, torch.float64), _load(folder, dtype)
+    tokens, truth, spread = [], [], 0.0
+    for ids, n in zip(prompts, max_tokens):
+        new, _ = _generate(m64, ids, n)
+        lp64 = _teacher_forced(m64, ids, new)
+        lp_low = _teacher_forced(low, ids, new)
+        spread = max(spread, max(abs(a - b) for a, b in zip(_picked(lp_low, new), _picked(lp64, new))))
+        tokens.append(new)
+        truth.append(lp64)
+    return LowPrecisionReference(tokens, truth, max(spread, SPREAD_FLOOR), dtype)

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_reference import hf_greedy_reference
+from hf_reference import hf_greedy_reference, hf_low_precision_reference
 from kvserve import LLM, SamplingParams
 from test_hybrid_graphs import (
     assert_close_logprobs,
@@ -89,12 +89,15 @@ def test_hybrid_decode_graphs_equal_eager(hybrid_folders, arch, dtype, kvlog):
     assert results["graphs"] == results["emulated"]
     for got, want in zip(results["graphs"], results["eager"]):
         assert_close_logprobs(got, want, LOGPROB_BOUND[dtype])
-    if dtype == "float32":  # both within the bound of transformers' float64 run (tests/hf_reference.py)
-        ids = [rid for _, rid, _, _ in arrivals]
-        ref = hf_greedy_reference(folder, [p for _, _, p, _ in arrivals], tuple(n for _, _, _, n in arrivals))
-        for mode in ("graphs", "eager"):
-            sync = results[mode][0]
-            ref.check([sync[r][0] for r in ids], [sync[r][1] for r in ids])
+    # both within the bound of transformers' float64 run (tests/hf_reference.py): float32 its greedy
+    # tokens and 5x its float32 spread; bf16 4x its bf16 spread along its path
+    ids = [rid for _, rid, _, _ in arrivals]
+    prompts, max_tokens = [p for _, _, p, _ in arrivals], tuple(n for _, _, _, n in arrivals)
+    ref = (hf_greedy_reference(folder, prompts, max_tokens) if dtype == "float32"
+           else hf_low_precision_reference(folder, prompts, max_tokens))
+    for mode in ("graphs", "eager"):
+        sync = results[mode][0]
+        ref.check([sync[r][0] for r in ids], [sync[r][1] for r in ids])
     sync = results["graphs"][0]
     assert sync["f"][2] == sync["g"][2] == 32  # prefix hits on the snapshot at 32
     for mode, log in logs.items():

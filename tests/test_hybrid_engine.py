@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import HYBRID_ARCHS
-from hf_reference import hf_greedy_reference
+from hf_reference import hf_greedy_reference, hf_low_precision_reference
 from kvserve import LLM, SamplingParams
 from kvserve.runner.state_pool import StatePool
 from triton_support import skip_without_triton_device
@@ -59,6 +59,19 @@ def test_hybrid_greedy_tokens_and_logprobs_equal_transformers(make_tiny_model, a
     tokens, lps, llm = _kvserve(folder, prompts)
     ref.check(tokens, lps)
     assert len({tuple(t) for t in ref.tokens}) == len(ref.tokens)  # distinct: the check can fail
+    check_idle(llm)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5"])
+def test_hybrid_bf16_logprobs_within_transformers_bf16_spread(make_tiny_model, arch, one_thread):
+    """bf16, the same chunked steps: each logprob along transformers' float64 greedy path within
+    4x transformers' own bf16 spread of the float64 truth, leaving the path only at a near-tie
+    (hf_reference.LowPrecisionReference)."""
+    folder = make_tiny_model(arch, seed=3)
+    prompts = _prompts(3)
+    ref = hf_low_precision_reference(folder, prompts, MAX_TOKENS)
+    tokens, lps, llm = _kvserve(folder, prompts, dtype="bfloat16")
+    ref.check(tokens, lps)
     check_idle(llm)
 
 
