@@ -280,7 +280,7 @@ def _tile_config(
         return block_m, tile_n, 4, ((2 if split else 3) if is_cuda else 1), 0
     if head_pad > 128 and not ieee:
         # head 256 (Qwen3.5 / 3.6, G = 6): 128 rows x 64 keys, 8 warps; 1.8-2.4x the 32 x 32 tiles
-        # (probe at 0eec917, benchmarks/HISTORY.md); float32 keeps the small tiles (shared memory)
+        # (probe at e098b49, benchmarks/HISTORY.md); float32 keeps the small tiles (shared memory)
         return max(128, g), 64, 8, (2 if is_cuda else 1), 0
     block_m = max(64, g) if head_pad <= 128 else max(32, g)
     tile_n = 64 if head_pad <= 128 else 32
