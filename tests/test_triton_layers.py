@@ -36,13 +36,22 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
     assert _ulps(got, want) <= 2.01
 
 
+# (norm class, its weights from a generator): RMSNorm's w around 1, the zero-centred (1 + w) offset around 0
+NORMS = {"plain": (RMSNorm, lambda n, g: torch.rand(n, generator=g) * 2 + 0.1),
+         "zero_centered": (ZeroCenteredRMSNorm, lambda n, g: 0.3 * torch.randn(n, generator=g))}
+
+
+@pytest.mark.parametrize("kind", list(NORMS))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", [64, 576, 1024])
-def test_rms_norm_matches_torch(dtype, n):
-    g = torch.Generator().manual_seed(n)
-    norm = RMSNorm(n, 1e-6).to(DEV, dtype)
+def test_rms_norm_matches_torch(dtype, n, kind):
+    """Rows with and without the residual add; the zero-centred norm multiplies ``(1 + w)`` in
+    fp32 before its one cast (Qwen3-Next / Qwen3.5 layer norms)."""
+    cls, weights = NORMS[kind]
+    g = torch.Generator().manual_seed(n + (kind != "plain"))
+    norm = cls(n, 1e-6).to(DEV, dtype)
     with torch.no_grad():
-        norm.weight.copy_((torch.rand(n, generator=g) * 2 + 0.1).to(dtype))
+        norm.weight.copy_(weights(n, g).to(dtype))
     x = (torch.randn(37, n, generator=g) * 3).to(DEV, dtype)
     res = (torch.randn(37, n, generator=g) * 5).to(DEV, dtype)
     with torch.no_grad():
@@ -72,28 +81,6 @@ def test_rms_norm_per_head_on_a_strided_view(dtype):
         norm.fused = True
         got = norm(q)
     _close(got, want)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n", [64, 576, 1024])
-def test_zero_centered_rms_norm_matches_torch(dtype, n):
-    """``(1 + w)`` multiplied in fp32 before the one cast (Qwen3-Next layer norms)."""
-    g = torch.Generator().manual_seed(n + 1)
-    norm = ZeroCenteredRMSNorm(n, 1e-6).to(DEV, dtype)
-    with torch.no_grad():
-        norm.weight.copy_((0.3 * torch.randn(n, generator=g)).to(dtype))
-    x = (torch.randn(37, n, generator=g) * 3).to(DEV, dtype)
-    res = (torch.randn(37, n, generator=g) * 5).to(DEV, dtype)
-    with torch.no_grad():
-        want, want_res = norm(x, res)
-        plain = norm(x)
-    norm.fused = True
-    with torch.no_grad():
-        got, got_res = norm(x, res)
-        got_plain = norm(x)
-    assert torch.equal(got_res, want_res)
-    _close(got, want)
-    _close(got_plain, plain)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
