@@ -99,7 +99,8 @@ def test_hybrid_smoke_measures_prefill_and_decode_for_both_kv_dtypes(tmp_path):
         assert doc["kvserve"][kv]["state_slots"] > 0  # the GDN state pool of a hybrid model
         decode = doc["kvserve"][kv]["decode"]
         assert [r["concurrency"] for r in decode] == [1, 2] and all(r["step_ms"] > 0 for r in decode)
-        assert all(r["out_tok_s"] > 0 and r["prefill_s"] < r["seconds"] for r in decode)
+        # the decode step (2nd token to last) fits inside the whole run with its prefill
+        assert all(r["out_tok_s"] > 0 and r["step_ms"] * 1e-3 * (doc["osl"] - 2) < r["seconds"] for r in decode)
     assert doc["osl"] == 8 and doc["copy_bandwidth_Bps"] is None  # no roofline without a GPU
     assert set(doc["traffic"]) == {"1", "2"}
     assert doc["transformers"]["rows"][0]["prefill_tok_s"] > 0
