@@ -13,6 +13,7 @@ from kvserve.choices import (
     KV_CACHE_DTYPE_CHOICES,
     LOAD_FORMAT_CHOICES,
     MAMBA_CACHE_MODE_CHOICES,
+    QUANTIZATION_CHOICES,
 )
 
 
@@ -22,6 +23,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None, help="local HF checkpoint folder (default: SmolLM2-135M-Instruct)")
     g.add_argument("--tokenizer", default=None)
     g.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
+    g.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_CHOICES,
+                   help="weight quantization method (default: from the checkpoint); kvserve runs "
+                        "modelopt, modelopt_fp4, modelopt_mixed")
     g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES)
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--max-model-len", type=int, default=None)

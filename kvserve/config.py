@@ -10,15 +10,25 @@ from typing import Any
 
 import torch
 
-from kvserve.choices import ATTENTION_BACKEND_CHOICES, DTYPE_CHOICES, LOAD_FORMAT_CHOICES, MAMBA_CACHE_MODE_CHOICES
+from kvserve.choices import (
+    ATTENTION_BACKEND_CHOICES,
+    DTYPE_CHOICES,
+    KVSERVE_QUANTIZATION_METHODS,
+    LOAD_FORMAT_CHOICES,
+    MAMBA_CACHE_MODE_CHOICES,
+    QUANTIZATION_CHOICES,
+)
 from kvserve.logger import init_logger
 from kvserve.quant.kv_cache_dtype import (
     KV_CACHE_DTYPE_CHOICES,
     KVCacheDtype,
     KVQuantConfig,
+    checkpoint_quant_method,
     read_kv_quant_config,
+    read_quant_config,
     resolve_kv_cache_dtype,
 )
+from kvserve.quant.modelopt import ModelOptConfig, read_modelopt_config
 
 logger = init_logger(__name__)
 
@@ -47,6 +57,8 @@ class ModelConfig:
     seed: int = 0
     load_format: str = "auto"  # auto | safetensors | dummy (random weights, vLLM's DummyModelLoader)
     skip_tokenizer_init: bool = False  # no tokenizer: token-id prompts only, no output text
+    quantization: str | None = None  # resolved --quantization (vLLM's name; None: unquantized)
+    quant_config: ModelOptConfig | None = None  # the checkpoint's ModelOpt config, for the loader
 
     @property
     def num_layers(self) -> int:
@@ -158,6 +170,46 @@ def _resolve_kv_cache_dtype(requested: str, model_dtype: torch.dtype, kv_quant: 
             kv_dtype.name,
         )
     return kv_dtype
+
+
+def _resolve_quantization(
+    requested: str | None, qc: dict[str, Any] | None, where: str, modelopt: ModelOptConfig | None
+) -> str | None:
+    """``--quantization`` against the checkpoint, as vLLM's ``ModelConfig._verify_quantization``:
+    None takes the checkpoint's method; a ModelOpt checkpoint's ``quant_algo`` decides its method
+    (vLLM's ``override_quantization_method``); any other disagreement is vLLM's error. Logs the
+    outcome once."""
+    if requested is not None:
+        if requested not in QUANTIZATION_CHOICES:
+            raise ValueError(f"Unknown quantization method: {requested}. Must be one of {QUANTIZATION_CHOICES}.")
+        if requested not in KVSERVE_QUANTIZATION_METHODS:
+            raise ValueError(
+                f"Quantization method {requested} is not supported by kvserve. kvserve accepts: "
+                f"{KVSERVE_QUANTIZATION_METHODS} (ModelOpt checkpoints)."
+            )
+    if qc is None:
+        if requested is not None:  # vLLM's get_quant_config finds no hf_quant_config.json
+            raise ValueError(f"Cannot find the config file for {requested}")
+        logger.info("quantization=None (unquantized checkpoint)")
+        return None
+    if modelopt is not None:
+        method: str | None = modelopt.method
+        origin = f"the checkpoint ({modelopt.source} quant_algo={modelopt.quant_algo})"
+    else:
+        method = checkpoint_quant_method(qc) or None
+        origin = f"the checkpoint ({where} quant_method={method})"
+    if requested is not None and requested != method:
+        if modelopt is None or not modelopt.quantizes_weights:
+            raise ValueError(
+                f"Quantization method specified in the model config ({method}) does not match the quantization "
+                f"method specified in the `quantization` argument ({requested})."
+            )
+        logger.warning(
+            "--quantization %s is overridden by the checkpoint: quant_algo %s runs as %s.",
+            requested, modelopt.quant_algo, method,
+        )
+    logger.info("quantization=%s (from %s)", method, origin)
+    return method
 
 
 def resolve_async_scheduling(requested: bool | None, device: torch.device) -> bool:
@@ -299,6 +351,7 @@ class EngineArgs:
     model: str | None = None
     tokenizer: str | None = None
     dtype: str = "auto"
+    quantization: str | None = None
     kv_cache_dtype: str = "auto"
     block_size: int = 16
     max_model_len: int | None = None
@@ -359,6 +412,9 @@ class EngineArgs:
         backend = resolve_attention_backend(self.attention_backend, device)
         max_model_len = _derive_max_model_len(hf_config, self.max_model_len)
 
+        qc, qc_where = read_quant_config(path, raw)
+        quant_config = read_modelopt_config(path, raw)
+        quantization = _resolve_quantization(self.quantization, qc, qc_where, quant_config)
         kv_quant = read_kv_quant_config(path, raw)
         kv_dtype = _resolve_kv_cache_dtype(self.kv_cache_dtype, dtype, kv_quant)
         if self.block_size <= 0 or self.block_size % 8 or self.block_size > 256:
@@ -409,6 +465,8 @@ class EngineArgs:
                 seed=self.seed,
                 load_format=self.load_format,
                 skip_tokenizer_init=self.skip_tokenizer_init,
+                quantization=quantization,
+                quant_config=quant_config,
             ),
             cache_config=CacheConfig(
                 block_size=self.block_size,

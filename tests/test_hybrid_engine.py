@@ -181,7 +181,7 @@ def test_hybrid_kv_scales_load_from_image_text_checkpoint_names(make_tiny_model,
     save_file({"model.language_model.layers.1.self_attn.k_scale": torch.tensor(0.5),
                "model.language_model.layers.1.self_attn.v_scale": torch.tensor(0.25)}, folder / "scales.safetensors")
     (folder / "hf_quant_config.json").write_text(json.dumps(
-        {"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}}))
+        {"producer": {"name": "modelopt"}, "quantization": {"quant_algo": None, "kv_cache_quant_algo": "FP8"}}))
     llm = LLM(str(folder), dtype="float32", max_num_seqs=2, kv_cache_memory=1 << 22)  # auto -> fp8_e4m3
     assert llm.llm_engine.config.cache_config.cache_dtype == "fp8_e4m3"
     layers = llm.llm_engine.runner.model.attention_layers()

@@ -98,23 +98,38 @@ def _scheme_dtype(scheme: dict[str, Any], where: str) -> str:
     )
 
 
-def read_kv_quant_config(model_dir: str | Path, raw_config: dict[str, Any]) -> KVQuantConfig:
-    """The checkpoint's KV-cache quantization, from ``config.json`` ``quantization_config`` or,
-    when that is absent, ``hf_quant_config.json`` beside it (ModelOpt <= 0.29 layout)."""
+def read_quant_config(model_dir: str | Path, raw_config: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
+    """The checkpoint's quantization config and where it was read: ``config.json``
+    ``quantization_config`` or, when that is absent, ``hf_quant_config.json`` beside it (ModelOpt
+    <= 0.29 layout). ``(None, "")`` for an unquantized checkpoint."""
     qc = raw_config.get("quantization_config")
-    where = "config.json quantization_config"
+    if isinstance(qc, dict):
+        return qc, "config.json quantization_config"
     legacy = Path(model_dir) / "hf_quant_config.json"
-    if not isinstance(qc, dict) and legacy.is_file():
+    if legacy.is_file():
         with open(legacy) as f:
             qc = json.load(f)
-        where = "hf_quant_config.json"
-    if not isinstance(qc, dict):
-        return KVQuantConfig()
+        if isinstance(qc, dict):
+            return qc, "hf_quant_config.json"
+    return None, ""
 
+
+def checkpoint_quant_method(qc: dict[str, Any]) -> str:
+    """The config's ``quant_method``, lower-cased as vLLM does (``""`` when absent); a legacy
+    ModelOpt file (producer ``modelopt`` or a ``quantization`` section) is ``"modelopt"``."""
     quant_method = str(qc.get("quant_method") or "").lower().replace("compressed_tensors", "compressed-tensors")
     producer = qc.get("producer") if isinstance(qc.get("producer"), dict) else {}
     if not quant_method and (str(producer.get("name", "")).lower() == "modelopt" or "quantization" in qc):
         quant_method = "modelopt"  # legacy ModelOpt file: vLLM injects quant_method
+    return quant_method
+
+
+def read_kv_quant_config(model_dir: str | Path, raw_config: dict[str, Any]) -> KVQuantConfig:
+    """The checkpoint's KV-cache quantization (the config found by ``read_quant_config``)."""
+    qc, where = read_quant_config(model_dir, raw_config)
+    if qc is None:
+        return KVQuantConfig()
+    quant_method = checkpoint_quant_method(qc)
 
     candidate = _kv_candidate(qc)
     if quant_method == "compressed-tensors":

@@ -66,6 +66,14 @@ class ModelRunner:
         assert cc.kv_dtype is not None, "CacheConfig.kv_dtype is set by EngineArgs.create_engine_config"
         self.kv_dtype = cc.kv_dtype
         torch.manual_seed(mc.seed)
+        qc = mc.quant_config
+        if qc is not None and qc.quantizes_weights:
+            raise ValueError(
+                f"The checkpoint's ModelOpt quantization ({qc.source}: quant_algo {qc.quant_algo}, "
+                f"--quantization {mc.quantization}) is recognised but kvserve cannot load ModelOpt quantized "
+                "weights yet (issue 15). Use an unquantized checkpoint (one whose ModelOpt config quantizes "
+                "only the KV cache works)."
+            )
 
         t0 = time.perf_counter()
         default_dtype = torch.get_default_dtype()
