@@ -400,28 +400,6 @@ def test_cli_flag_and_its_short_form():
 
 
 # ---- the engine ------------------------------------------------------------------------------
-@pytest.mark.parametrize("ckpt, algo, method, source", [
-    ("nvfp4", "NVFP4", "modelopt_fp4", LEGACY),
-    ("mixed", "MIXED_PRECISION", "modelopt_mixed", INLINE),
-])
-def test_llm_refuses_quantized_weights_before_reading_them(ckpts, monkeypatch, ckpt, algo, method, source):
-    from kvserve import LLM
-    from kvserve.runner import model_runner
-
-    def no_weights(*a, **k):
-        raise AssertionError("weights were read")
-
-    monkeypatch.setattr(model_runner, "iterate_weights", no_weights)
-    monkeypatch.setattr(model_runner, "build_model", no_weights)
-    with pytest.raises(ValueError) as e:
-        LLM(str(ckpts[ckpt]), kv_cache_memory=KV_MEM)
-    assert str(e.value) == (
-        f"The checkpoint's ModelOpt quantization ({source}: quant_algo {algo}, --quantization {method}) is "
-        "recognised but kvserve cannot load ModelOpt quantized weights yet (issue 15). Use an unquantized "
-        "checkpoint (one whose ModelOpt config quantizes only the KV cache works)."
-    )
-
-
 def test_kv_only_modelopt_checkpoint_still_loads_and_runs(ckpts):
     from kvserve import LLM, SamplingParams
 

@@ -68,11 +68,9 @@ class ModelRunner:
         torch.manual_seed(mc.seed)
         qc = mc.quant_config
         if qc is not None and qc.quantizes_weights:
-            raise ValueError(
-                f"The checkpoint's ModelOpt quantization ({qc.source}: quant_algo {qc.quant_algo}, "
-                f"--quantization {mc.quantization}) is recognised but kvserve cannot load ModelOpt quantized "
-                "weights yet (issue 15). Use an unquantized checkpoint (one whose ModelOpt config quantizes "
-                "only the KV cache works)."
+            logger.info(
+                "ModelOpt %s weights (%s) are dequantized to %s while loading (the reference path; no "
+                "quantized GEMM kernels yet)", qc.quant_algo, qc.source, str(mc.dtype).replace("torch.", ""),
             )
 
         t0 = time.perf_counter()
@@ -89,6 +87,10 @@ class ModelRunner:
             init_dummy_weights(self.model, mc.seed)
         else:
             weights = iterate_weights(mc.model)
+            if qc is not None and qc.quantizes_weights:
+                from kvserve.loader.quantized_weights import dequantized_weights
+
+                weights = dequantized_weights(weights, qc)
             if getattr(self.model, "is_hybrid", False):
                 from kvserve.models.qwen3_next import renamed_weights
 

@@ -1,0 +1,151 @@
+"""Loading ModelOpt exports (issue 15, the reference path: quantized weights dequantized once while
+loading, ``loader/quantized_weights.py``): a model written by ``tools/modelopt_export.py`` gives
+exactly the greedy tokens and logprobs of the same model whose weights were dequantized by the
+reference codec (``quant/nvfp4.py``) and saved dense, so every quantized tensor, fused shard and
+expert reaches its parameter; malformed exports fail with an error naming the tensors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from kvserve import LLM, SamplingParams
+from kvserve.loader.weights import WeightLoadError
+from kvserve.quant.nvfp4 import dequantize_fp8_per_tensor, dequantize_nvfp4
+from kvserve.tools.modelopt_export import export_modelopt
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+PROMPTS = [[5, 17, 101, 33, 8, 250], [9, 3, 77], [400, 12, 12, 56, 91, 7, 64, 2, 18]]
+MAX_TOKENS = 6
+
+
+def _tensors(folder: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def _write(folder: Path, tensors: dict[str, torch.Tensor]) -> None:
+    for f in folder.glob("*.safetensors*"):
+        f.unlink()
+    (folder / "model.safetensors.index.json").unlink(missing_ok=True)
+    save_file(tensors, str(folder / "model.safetensors"))
+
+
+def _dense_twin(export: Path, dst: Path) -> Path:
+    """The export with every quantized module dequantized to float32 by the codec, no quant config."""
+    shutil.copytree(export, dst)
+    t = _tensors(export)
+    dense = {}
+    for name, x in t.items():
+        prefix, _, part = name.rpartition(".")
+        if part in ("weight_scale", "weight_scale_2", "input_scale"):
+            continue
+        if part == "weight" and x.dtype == torch.uint8:
+            x = dequantize_nvfp4(x, t[f"{prefix}.weight_scale"], t[f"{prefix}.weight_scale_2"], torch.float32)
+        elif part == "weight" and x.dtype == torch.float8_e4m3fn:
+            x = dequantize_fp8_per_tensor(x, t[f"{prefix}.weight_scale"], torch.float32)
+        dense[name] = x
+    _write(dst, dense)
+    (dst / "hf_quant_config.json").unlink()
+    cfg = json.loads((dst / "config.json").read_text())
+    del cfg["quantization_config"]
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def _run(folder: Path, dtype: str, **kw):
+    llm = LLM(str(folder), dtype=dtype, kv_cache_dtype="fp8_e4m3", kv_cache_memory=1 << 22, max_num_seqs=4,
+              max_num_batched_tokens=16, **kw)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    got = [(list(o.outputs[0].token_ids), [d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+           for o in outs]
+    return got, dict(llm.llm_engine.runner.model.named_parameters())
+
+
+@pytest.fixture(scope="module")
+def export(make_tiny_model, tmp_path_factory):
+    cache: dict[tuple[str, str], Path] = {}
+
+    def get(arch: str, algo: str) -> Path:
+        if (arch, algo) not in cache:
+            src = make_tiny_model(arch, seed=1)
+            cache[arch, algo] = export_modelopt(src, tmp_path_factory.mktemp(f"{arch}-{algo}") / "out", algo,
+                                                calibration_tokens=32)
+        return cache[arch, algo]
+
+    return get
+
+
+@pytest.mark.parametrize("arch,algo,dtype", [
+    ("llama", "NVFP4", "float32"), ("llama", "W4A16_NVFP4", "bfloat16"), ("qwen3", "MIXED_PRECISION", "float32"),
+    ("qwen3", "FP8", "bfloat16"), ("qwen3_5", "MIXED_PRECISION", "float32"), ("qwen3_next", "FP8", "float32"),
+    ("qwen3_5_moe", "MIXED_PRECISION", "float32"),
+])
+def test_export_equals_its_dequantized_twin(export, make_tiny_model, tmp_path, kvlog, arch, algo, dtype):
+    folder = export(arch, algo)
+    got, params = _run(folder, dtype)
+    want, twin_params = _run(_dense_twin(folder, tmp_path / "twin"), dtype)
+    assert got == want
+    assert all(torch.equal(p, twin_params[n]) for n, p in params.items())  # the same weights, bit for bit
+    assert kvlog.count(f"ModelOpt {algo} weights (") == 1  # logged once, at start-up
+    _, src_params = _run(make_tiny_model(arch, seed=1), dtype)  # the weights did change: not the source's
+    assert any(not torch.equal(p, src_params[n]) for n, p in params.items())
+
+
+def _broken(export: Path, tmp_path: Path, edit) -> Path:
+    folder = tmp_path / "broken"
+    shutil.copytree(export, folder)
+    t = _tensors(folder)
+    edit(t)
+    _write(folder, t)
+    return folder
+
+
+def _first(t: dict, dtype: torch.dtype) -> str:
+    return min(n[: -len(".weight")] for n, x in t.items() if n.endswith(".weight") and x.dtype == dtype)
+
+
+def test_malformed_exports_name_the_tensor(export, tmp_path):
+    folder = export("qwen3", "MIXED_PRECISION")
+    t = _tensors(folder)
+    fp4, fp8 = _first(t, torch.uint8), _first(t, torch.float8_e4m3fn)
+    cases = [
+        (lambda t: t.pop(f"{fp4}.weight_scale"), f"{fp4}: missing ['{fp4}.weight_scale']"),
+        (lambda t: t.pop(f"{fp8}.weight_scale"), f"{fp8}: missing ['{fp8}.weight_scale']"),
+        (lambda t: t.update({f"{fp4}.weight_scale": t[f"{fp4}.weight_scale"][:, :-1].contiguous()}),
+         f"ModelOpt NVFP4 tensors of {fp4} do not match: NVFP4 weight_scale must have shape"),
+        (lambda t: t.update({f"{fp8}.weight": t[f"{fp8}.weight"].float()}),
+         f"{fp8}.weight is torch.float32 on disk, but the checkpoint's quantization config"),
+        (lambda t: t.update({f"{fp4}.weight": t[f"{fp8}.weight"].clone()}), f"{fp4}.weight is torch.float8_e4m3fn on disk (FP8)"),
+    ]
+    for i, (edit, message) in enumerate(cases):
+        with pytest.raises(WeightLoadError) as e:
+            LLM(str(_broken(folder, tmp_path / str(i), edit)), dtype="float32", kv_cache_memory=1 << 22)
+        assert message in str(e.value), (i, str(e.value))
+
+
+def test_default_model_export_equals_its_dequantized_twin_on_the_golden_set(default_model_path, shared_eval, tmp_path):
+    """The real SmolLM2-135M, MIXED_PRECISION (the Qwen3.5 recipe on a Llama: MLPs W4A16_NVFP4,
+    attention FP8; its lm_head is tied, so it stays as it is), float32: 24/24 golden prompts give
+    the dequantized twin's greedy tokens."""
+    from kvserve.tools.parity import read_jsonl
+
+    folder = export_modelopt(default_model_path, tmp_path / "export", "MIXED_PRECISION", kv_cache_quant_algo=None,
+                             calibration_tokens=64)
+    prompts = [{"prompt_token_ids": p["prompt_token_ids"]} for p in read_jsonl(shared_eval / "golden_public.jsonl")]
+    assert len(prompts) == 24
+    outs = {}
+    for name, path in (("export", folder), ("twin", _dense_twin(folder, tmp_path / "twin"))):
+        llm = LLM(str(path), dtype="float32", kv_cache_memory=1 << 30)
+        params = SamplingParams(temperature=0, max_tokens=64)
+        outs[name] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+        del llm
+    assert sum(a == b for a, b in zip(outs["export"], outs["twin"])) == 24
