@@ -156,37 +156,23 @@ def test_vllm_algos_kvserve_does_not_run_yet(tmp_path, algo):
                             f"(vLLM runs it). kvserve supports: {ACCEPTED_ALGOS}.")
 
 
-def test_unknown_algo_names_the_value_and_the_file(tmp_path):
+@pytest.mark.parametrize("where, fields, message", [
+    ("legacy", dict(quant_algo="INT4_AWQ", group_size=128),
+     f"ModelOpt quant_algo 'INT4_AWQ' in {LEGACY} is not supported. kvserve supports: {ACCEPTED_ALGOS}."),
+    ("inline", dict(quant_algo="MIXED_PRECISION"),
+     "MIXED_PRECISION quant_algo requires a non-empty 'quantized_layers' mapping in the quantization config."),
+    ("inline", dict(quant_algo="MIXED_PRECISION", quantized_layers={"x.y": {"quant_algo": "INT8"}}),
+     f"quant_algo 'INT8' of layer 'x.y' in {INLINE} quantized_layers is not supported. "
+     "kvserve supports per layer: ['FP8', 'NVFP4', 'W4A16_NVFP4']."),
+    ("legacy", dict(quant_algo="NVFP4"),
+     "NVFP4 quantization requires the following fields in hf_quant_config.json: "
+     "['group_size', 'kv_cache_quant_algo', 'exclude_modules']"),
+    ("inline", dict(quant_algo="FP8", ignore="lm_head"), "exclude_modules must be a list, got <class 'str'>"),
+], ids=["unknown-algo", "mixed-without-layers", "mixed-unknown-layer-algo", "legacy-nvfp4-fields", "ignore-not-a-list"])
+def test_malformed_configs_name_the_value(tmp_path, where, fields, message):
     with pytest.raises(ValueError) as e:
-        _read(tmp_path, legacy=_legacy(quant_algo="INT4_AWQ", group_size=128))
-    assert str(e.value) == f"ModelOpt quant_algo 'INT4_AWQ' in {LEGACY} is not supported. kvserve supports: {ACCEPTED_ALGOS}."
-
-
-def test_mixed_precision_needs_quantized_layers(tmp_path):
-    with pytest.raises(ValueError) as e:
-        _read(tmp_path, config=_inline(quant_algo="MIXED_PRECISION"))
-    assert str(e.value) == ("MIXED_PRECISION quant_algo requires a non-empty 'quantized_layers' mapping in the "
-                            "quantization config.")
-
-
-def test_mixed_precision_unknown_layer_algo(tmp_path):
-    with pytest.raises(ValueError) as e:
-        _read(tmp_path, config=_inline(quant_algo="MIXED_PRECISION", quantized_layers={"x.y": {"quant_algo": "INT8"}}))
-    assert str(e.value) == (f"quant_algo 'INT8' of layer 'x.y' in {INLINE} quantized_layers is not supported. "
-                            "kvserve supports per layer: ['FP8', 'NVFP4', 'W4A16_NVFP4'].")
-
-
-def test_legacy_nvfp4_required_fields(tmp_path):
-    with pytest.raises(ValueError) as e:
-        _read(tmp_path, legacy=_legacy(quant_algo="NVFP4"))
-    assert str(e.value) == ("NVFP4 quantization requires the following fields in hf_quant_config.json: "
-                            "['group_size', 'kv_cache_quant_algo', 'exclude_modules']")
-
-
-def test_exclude_modules_must_be_a_list(tmp_path):
-    with pytest.raises(ValueError) as e:
-        _read(tmp_path, config=_inline(quant_algo="FP8", ignore="lm_head"))
-    assert str(e.value) == "exclude_modules must be a list, got <class 'str'>"
+        _read(tmp_path, **({"legacy": _legacy(**fields)} if where == "legacy" else {"config": _inline(**fields)}))
+    assert str(e.value) == message
 
 
 # ---- MIXED_PRECISION lookups -----------------------------------------------------------------
