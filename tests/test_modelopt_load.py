@@ -18,6 +18,7 @@ from kvserve import LLM, SamplingParams
 from kvserve.loader.weights import WeightLoadError
 from kvserve.quant.nvfp4 import dequantize_fp8_per_tensor, dequantize_nvfp4
 from kvserve.tools.modelopt_export import export_modelopt
+from triton_support import skip_without_triton_device
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 PROMPTS = [[5, 17, 101, 33, 8, 250], [9, 3, 77], [400, 12, 12, 56, 91, 7, 64, 2, 18]]
@@ -60,8 +61,8 @@ def _dense_twin(export: Path, dst: Path) -> Path:
     return dst
 
 
-def _run(folder: Path, dtype: str, **kw):
-    llm = LLM(str(folder), dtype=dtype, kv_cache_dtype="fp8_e4m3", kv_cache_memory=1 << 22, max_num_seqs=4,
+def _run(folder: Path, dtype: str, kv_cache_dtype: str = "fp8_e4m3", **kw):
+    llm = LLM(str(folder), dtype=dtype, kv_cache_dtype=kv_cache_dtype, kv_cache_memory=1 << 22, max_num_seqs=4,
               max_num_batched_tokens=16, **kw)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
@@ -72,14 +73,14 @@ def _run(folder: Path, dtype: str, **kw):
 
 @pytest.fixture(scope="module")
 def export(make_tiny_model, tmp_path_factory):
-    cache: dict[tuple[str, str], Path] = {}
+    cache: dict[tuple[str, str, str | None], Path] = {}
 
-    def get(arch: str, algo: str) -> Path:
-        if (arch, algo) not in cache:
+    def get(arch: str, algo: str, kv: str | None = "FP8") -> Path:
+        if (arch, algo, kv) not in cache:
             src = make_tiny_model(arch, seed=1)
-            cache[arch, algo] = export_modelopt(src, tmp_path_factory.mktemp(f"{arch}-{algo}") / "out", algo,
-                                                calibration_tokens=32)
-        return cache[arch, algo]
+            cache[arch, algo, kv] = export_modelopt(src, tmp_path_factory.mktemp(f"{arch}-{algo}") / "out", algo,
+                                                    kv_cache_quant_algo=kv, calibration_tokens=32)
+        return cache[arch, algo, kv]
 
     return get
 
@@ -95,7 +96,8 @@ def test_export_equals_its_dequantized_twin(export, make_tiny_model, tmp_path, k
     want, twin_params = _run(_dense_twin(folder, tmp_path / "twin"), dtype)
     assert got == want
     assert all(torch.equal(p, twin_params[n]) for n, p in params.items())  # the same weights, bit for bit
-    assert kvlog.count(f"ModelOpt {algo} weights (") == 1  # logged once, at start-up
+    assert kvlog.count(f"ModelOpt {algo} weights (") == 1  # once, at the export's start-up (the twin has none)
+    assert kvlog.count(": 0 layer(s) keep NVFP4 and run the W4A16 GEMM, the rest are dequantized") == 1
     _, src_params = _run(make_tiny_model(arch, seed=1), dtype)  # the weights did change: not the source's
     assert any(not torch.equal(p, src_params[n]) for n, p in params.items())
 
@@ -149,3 +151,27 @@ def test_default_model_export_equals_its_dequantized_twin_on_the_golden_set(defa
         outs[name] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
         del llm
     assert sum(a == b for a, b in zip(outs["export"], outs["twin"])) == 24
+
+
+@skip_without_triton_device()
+@pytest.mark.parametrize("arch,algo", [("llama", "NVFP4"), ("qwen3_5", "MIXED_PRECISION"), ("qwen3_5_moe", "MIXED_PRECISION")])
+def test_nvfp4_layers_run_the_w4a16_gemm_on_the_triton_backend(export, tmp_path, kvlog, arch, algo):
+    """Triton backend: every Linear whose checkpoint shards are all NVFP4 keeps its packed tensors
+    (per-row global scales) and runs the W4A16 GEMM; FP8, unquantized and mixed fused modules (the
+    Qwen3.5 GDN input GEMM: FP8 qkv / z beside bf16 b / a) stay dense. float32: the GEMM sums in
+    another order than torch's, so the run is checked as every float32 run is, against transformers'
+    float64 run of the dequantized twin (greedy tokens exactly, logprobs within 5x its own float32
+    spread, tests/hf_reference.py)."""
+    from hf_reference import hf_greedy_reference
+
+    folder = export(arch, algo, kv=None)  # a float32 KV cache, as the reference
+    got, params = _run(folder, "float32", "auto", attention_backend="triton")
+    ref = hf_greedy_reference(_dense_twin(folder, tmp_path / "twin"), PROMPTS, (MAX_TOKENS,) * len(PROMPTS))
+    ref.check([t for t, _ in got], [lp for _, lp in got])
+    nvfp4 = {n.rsplit(".", 1)[0] for n, p in params.items() if p.dtype == torch.uint8}
+    assert nvfp4 and all(params[f"{m}.weight_scale_2"].shape == (params[f"{m}.weight"].shape[0],) for m in nvfp4)
+    if algo == "MIXED_PRECISION":  # the recipe: MLPs NVFP4, attention and GDN projections FP8 -> dense
+        assert all(".mlp." in m or m == "lm_head" for m in nvfp4)
+        assert not any("in_proj" in m or "self_attn" in m for m in nvfp4)
+    line = [m for m in kvlog.messages() if m.startswith(f"ModelOpt {algo} weights (")]
+    assert len(line) == 1 and f": {len(nvfp4)} layer(s) keep NVFP4 and run the W4A16 GEMM" in line[0]

@@ -1,4 +1,5 @@
-"""ModelOpt quantized checkpoint tensors -> dense weights, dequantized once while loading.
+"""ModelOpt quantized checkpoint tensors -> dense weights, dequantized once while loading (or kept
+packed for the NVFP4 layers that run the W4A16 GEMM).
 
 The reference path of issue 15 (CPU, and CUDA until the W4A16 / FP8 GEMMs exist): each quantized
 Linear's tensors (``<m>.weight`` packed NVFP4 uint8 or float8_e4m3fn, ``<m>.weight_scale``,
@@ -48,11 +49,24 @@ def _dequantize(prefix: str, fmt: str, parts: dict[str, torch.Tensor]) -> torch.
         raise WeightLoadError(f"ModelOpt {fmt} tensors of {prefix} do not match: {e}") from None
 
 
+def _packed(prefix: str, parts: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """A module kept in NVFP4 (``layers/quant_linear.py``): its tensors as they are, the global scale
+    once per output row."""
+    rows = parts["weight"].shape[0]
+    s2 = parts["weight_scale_2"]
+    if s2.dtype != torch.float32 or s2.numel() != 1:
+        raise WeightLoadError(f"{prefix}.weight_scale_2 must be one float32 value, got {tuple(s2.shape)} {s2.dtype}")
+    yield f"{prefix}.weight", parts["weight"]
+    yield f"{prefix}.weight_scale", parts["weight_scale"]
+    yield f"{prefix}.weight_scale_2", s2.reshape(1).expand(rows).contiguous()
+
+
 def dequantized_weights(
-    weights: Iterable[tuple[str, torch.Tensor]], qc: ModelOptConfig
+    weights: Iterable[tuple[str, torch.Tensor]], qc: ModelOptConfig, keep: set[str] | frozenset[str] = frozenset()
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Pass unquantized tensors through; yield each quantized module's dense float32 weight once
-    its weight and scales have all been read (in any order, across files)."""
+    its weight and scales have all been read (in any order, across files). Modules in ``keep``
+    (NVFP4 layers that run the W4A16 GEMM) keep their packed tensors."""
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in weights:
         prefix, _, part = name.rpartition(".")
@@ -85,7 +99,10 @@ def dequantized_weights(
                 f"({qc.source}) makes {prefix} {want or 'unquantized'}"
             )
         if all(p in parts for p in _NEEDS[fmt]):
-            yield f"{prefix}.weight", _dequantize(prefix, fmt, parts)
+            if prefix in keep:
+                yield from _packed(prefix, parts)
+            else:
+                yield f"{prefix}.weight", _dequantize(prefix, fmt, parts)
             del pending[prefix]
     if pending:
         problems = []

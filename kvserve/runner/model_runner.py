@@ -54,7 +54,11 @@ def init_dummy_weights(model: torch.nn.Module, seed: int, low: float = -1e-3, hi
         for p in model.parameters():
             if p.device not in gens:
                 gens[p.device] = torch.Generator(device=p.device).manual_seed(seed)
-            p.uniform_(low, high, generator=gens[p.device])
+            if p.is_floating_point() and p.dtype != torch.float8_e4m3fn:
+                p.uniform_(low, high, generator=gens[p.device])
+        for m in model.modules():  # packed quantized weights (layers/quant_linear.py)
+            if hasattr(m, "init_dummy"):
+                m.init_dummy(gens.setdefault(m.weight.device, torch.Generator(device=m.weight.device).manual_seed(seed)))
 
 
 class ModelRunner:
@@ -67,11 +71,7 @@ class ModelRunner:
         self.kv_dtype = cc.kv_dtype
         torch.manual_seed(mc.seed)
         qc = mc.quant_config
-        if qc is not None and qc.quantizes_weights:
-            logger.info(
-                "ModelOpt %s weights (%s) are dequantized to %s while loading (the reference path; no "
-                "quantized GEMM kernels yet)", qc.quant_algo, qc.source, str(mc.dtype).replace("torch.", ""),
-            )
+        quantized = qc is not None and qc.quantizes_weights
 
         t0 = time.perf_counter()
         default_dtype = torch.get_default_dtype()
@@ -81,20 +81,34 @@ class ModelRunner:
                 self.model = build_model(mc.architecture, mc.hf_config)
         finally:
             torch.set_default_dtype(default_dtype)
+        kept: set[str] = set()
+        if quantized:
+            assert qc is not None
+            packed = 0
+            if config.runner_config.attention_backend == "triton":  # NVFP4 layers: the W4A16 GEMM
+                from kvserve.layers.quant_linear import NVFP4Linear, quantize_linears
+
+                kept = quantize_linears(self.model, qc, self.model.stacked_params)
+                packed = sum(isinstance(m, NVFP4Linear) for m in self.model.modules())
+            logger.info(
+                "ModelOpt %s weights (%s): %d layer(s) keep NVFP4 and run the W4A16 GEMM, the rest are "
+                "dequantized to %s while loading", qc.quant_algo, qc.source, packed,
+                str(mc.dtype).replace("torch.", ""),
+            )
         attention = {name: m for name, m in self.model.named_modules() if isinstance(m, Attention)}
         scales = KVScaleLoader(attention, cc.kv_quant)
         if mc.load_format == "dummy":
             init_dummy_weights(self.model, mc.seed)
         else:
             weights = iterate_weights(mc.model)
-            if qc is not None and qc.quantizes_weights:
-                from kvserve.loader.quantized_weights import dequantized_weights
-
-                weights = dequantized_weights(weights, qc)
             if getattr(self.model, "is_hybrid", False):
                 from kvserve.models.qwen3_next import renamed_weights
 
                 weights = renamed_weights(weights)  # image-text checkpoints' prefixes, before the scales
+            if quantized:
+                from kvserve.loader.quantized_weights import dequantized_weights
+
+                weights = dequantized_weights(weights, qc, kept)
             self.model.load_weights(scales.filter(weights))
         scales.finish(self.kv_dtype)
         self.model.eval()
