@@ -175,3 +175,9 @@ def test_nvfp4_layers_run_the_w4a16_gemm_on_the_triton_backend(export, tmp_path,
         assert not any("in_proj" in m or "self_attn" in m for m in nvfp4)
     line = [m for m in kvlog.messages() if m.startswith(f"ModelOpt {algo} weights (")]
     assert len(line) == 1 and f": {len(nvfp4)} layer(s) keep NVFP4 and run the W4A16 GEMM" in line[0]
+    kinds = {"llama": "lm_head none, mlp.down_proj NVFP4, mlp.gate_up_proj NVFP4, self_attn.o_proj NVFP4, self_attn.qkv_proj NVFP4",
+             "qwen3_5": "linear_attn.in_proj_qkvzba FP8+none, linear_attn.out_proj FP8, lm_head W4A16_NVFP4, "
+                        "mlp.down_proj W4A16_NVFP4, mlp.gate_up_proj W4A16_NVFP4, self_attn.o_proj FP8, "
+                        "self_attn.qkv_proj FP8"}
+    if arch in kinds:  # the start-up line says how each kind of layer is stored, once
+        assert line[0].endswith(f"per layer kind: {kinds[arch]}"), line[0]

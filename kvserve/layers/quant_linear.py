@@ -60,6 +60,18 @@ def _checkpoint_shards(name: str, stacked: dict[str, tuple[str, int]]) -> list[s
     return [f"{parent}.{sub}" for _, sub in subs] if subs else [name]
 
 
+def linear_schemes(model: nn.Module, qc: ModelOptConfig, stacked: dict[str, tuple[str, int]]) -> dict[str, str]:
+    """Per Linear kind (its name without the layer index, e.g. ``mlp.gate_up_proj``), how the
+    checkpoint stores it: the shards' algorithms joined by ``+`` (``none`` = unquantized)."""
+    kinds: dict[str, set[str]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.Linear, NVFP4Linear)):
+            algos = {(q.algo if q else "none") for q in (qc.layer_quant(s) for s in _checkpoint_shards(name, stacked))}
+            kind = ".".join(p for p in name.split(".") if not p.isdigit() and p not in ("model", "layers"))
+            kinds.setdefault(kind, set()).update(algos)
+    return {k: "+".join(sorted(v)) for k, v in sorted(kinds.items())}
+
+
 def quantize_linears(model: nn.Module, qc: ModelOptConfig, stacked: dict[str, tuple[str, int]]) -> set[str]:
     """Swap every Linear whose checkpoint shards are all NVFP4 for an ``NVFP4Linear`` (on the
     Linear's device); returns the checkpoint module names whose tensors load packed."""

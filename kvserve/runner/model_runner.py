@@ -90,10 +90,13 @@ class ModelRunner:
 
                 kept = quantize_linears(self.model, qc, self.model.stacked_params)
                 packed = sum(isinstance(m, NVFP4Linear) for m in self.model.modules())
+            from kvserve.layers.quant_linear import linear_schemes
+
+            kinds = linear_schemes(self.model, qc, self.model.stacked_params)
             logger.info(
                 "ModelOpt %s weights (%s): %d layer(s) keep NVFP4 and run the W4A16 GEMM, the rest are "
-                "dequantized to %s while loading", qc.quant_algo, qc.source, packed,
-                str(mc.dtype).replace("torch.", ""),
+                "dequantized to %s while loading; per layer kind: %s", qc.quant_algo, qc.source, packed,
+                str(mc.dtype).replace("torch.", ""), ", ".join(f"{k} {v}" for k, v in kinds.items()),
             )
         attention = {name: m for name, m in self.model.named_modules() if isinstance(m, Attention)}
         scales = KVScaleLoader(attention, cc.kv_quant)
