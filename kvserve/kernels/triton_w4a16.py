@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-GROUP = 16  # NVFP4 block size along K
+from kvserve.quant.nvfp4 import NVFP4_GROUP_SIZE as GROUP  # the block size along K
 
 
 @triton.jit
@@ -26,7 +26,7 @@ def _w4a16_kernel(
     M, N, K,
     stride_xm, stride_wn, stride_sn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-    ROW_SCALES: tl.constexpr,
+    ROW_SCALES: tl.constexpr, GROUP: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile of y; walks K in BLOCK_K steps (a multiple of 2 x GROUP)."""
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -102,6 +102,6 @@ def w4a16_matmul(
             x2, packed, block_scale.view(torch.uint8), global_scale.reshape(-1).float(), y,
             m, n, k, x2.stride(0), packed.stride(0), block_scale.stride(0), y.stride(0),
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, IEEE=x.dtype == torch.float32,
-            ROW_SCALES=global_scale.numel() > 1, num_warps=warps,
+            ROW_SCALES=global_scale.numel() > 1, GROUP=GROUP, num_warps=warps,
         )
     return y.reshape(*x.shape[:-1], n)

@@ -12,9 +12,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvserve.logger import init_logger
 from kvserve.quant.modelopt import ModelOptConfig
+from kvserve.quant.nvfp4 import NVFP4_GROUP_SIZE as GROUP
 
-GROUP = 16
+logger = init_logger(__name__)
 
 
 class NVFP4Linear(nn.Module):
@@ -89,4 +91,21 @@ def quantize_linears(model: nn.Module, qc: ModelOptConfig, stacked: dict[str, tu
         parent, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, leaf, new)
         kept.update(shards)
+    return kept
+
+
+def prepare_quantized_model(
+    model: nn.Module, qc: ModelOptConfig, stacked: dict[str, tuple[str, int]], use_kernel: bool, dtype: torch.dtype
+) -> set[str]:
+    """Before loading: the NVFP4 Linears swapped in when ``use_kernel`` (Triton backend); logs once
+    how many run the W4A16 GEMM and how each kind of Linear is stored. Returns the checkpoint
+    module names that load packed (``loader/quantized_weights.py``)."""
+    kept = quantize_linears(model, qc, stacked) if use_kernel else set()
+    kinds = linear_schemes(model, qc, stacked)
+    logger.info(
+        "ModelOpt %s weights (%s): %d layer(s) keep NVFP4 and run the W4A16 GEMM, the rest are dequantized "
+        "to %s while loading; per layer kind: %s", qc.quant_algo, qc.source,
+        sum(isinstance(m, NVFP4Linear) for m in model.modules()), str(dtype).replace("torch.", ""),
+        ", ".join(f"{k} {v}" for k, v in kinds.items()),
+    )
     return kept

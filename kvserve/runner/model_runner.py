@@ -83,21 +83,11 @@ class ModelRunner:
             torch.set_default_dtype(default_dtype)
         kept: set[str] = set()
         if quantized:
+            from kvserve.layers.quant_linear import prepare_quantized_model
+
             assert qc is not None
-            packed = 0
-            if config.runner_config.attention_backend == "triton":  # NVFP4 layers: the W4A16 GEMM
-                from kvserve.layers.quant_linear import NVFP4Linear, quantize_linears
-
-                kept = quantize_linears(self.model, qc, self.model.stacked_params)
-                packed = sum(isinstance(m, NVFP4Linear) for m in self.model.modules())
-            from kvserve.layers.quant_linear import linear_schemes
-
-            kinds = linear_schemes(self.model, qc, self.model.stacked_params)
-            logger.info(
-                "ModelOpt %s weights (%s): %d layer(s) keep NVFP4 and run the W4A16 GEMM, the rest are "
-                "dequantized to %s while loading; per layer kind: %s", qc.quant_algo, qc.source, packed,
-                str(mc.dtype).replace("torch.", ""), ", ".join(f"{k} {v}" for k, v in kinds.items()),
-            )
+            kept = prepare_quantized_model(self.model, qc, self.model.stacked_params,
+                                           config.runner_config.attention_backend == "triton", mc.dtype)
         attention = {name: m for name, m in self.model.named_modules() if isinstance(m, Attention)}
         scales = KVScaleLoader(attention, cc.kv_quant)
         if mc.load_format == "dummy":
