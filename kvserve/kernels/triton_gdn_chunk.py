@@ -46,6 +46,9 @@ class LaunchConfig:
     output_warps: int = 4
     output_stages: int | None = 2
     output_block_v: int = 128
+    # float32 models (IEEE products on CUDA cores, the exactness path): 32 V columns for the state
+    # and output kernels; at K = V = 128 the wide tiles took ~100 s of compile a head layout on the H200
+    ieee_block_v: int = 32
 
 
 LAUNCH = LaunchConfig()
@@ -339,7 +342,8 @@ def chunk_gated_delta_rule(
     # fp32 operands: IEEE products; bf16/fp16 operands run on tensor cores whatever the flag says.
     # The block merges of T (fp32 operands, 16 x 16 x 16, a few percent of the work) stay IEEE
     # for every dtype: in tf32 they lost 10 bits where (I + A) is ill-conditioned
-    dot_prec = "ieee" if dtype == torch.float32 else "tf32"
+    ieee = dtype == torch.float32
+    dot_prec = "ieee" if ieee else "tf32"
     group = HV // H
     # V tiles of at least 32 columns: bf16 products with 16 V columns and K >= 32 came out wrong
     # on the H200 (Triton 3.6), fp32 ones right; wider tiles are masked instead
@@ -363,14 +367,14 @@ def chunk_gated_delta_rule(
     states = torch.empty((NT, HV, K, V), dtype=dtype, device=dev)  # the state entering each chunk
     v_new = torch.empty((T, HV, V), dtype=dtype, device=dev)
     bk = min(64, k_pad)
-    bv = min(LAUNCH.state_block_v, v_pad)
+    bv = min(LAUNCH.ieee_block_v if ieee else LAUNCH.state_block_v, v_pad)
     _state_kernel[(triton.cdiv(V, bv), B, HV)](
         kn, w, u, g, query_start_loc, plan.offsets, slots, has_state, ssm_state, states, v_new,
         ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2),
         HV=HV, GROUP=group, K=K, V=V, BK=bk, TWO_K=K > bk, BV=bv, BT=CHUNK, PREC=dot_prec,
         num_warps=LAUNCH.state_warps, **_stages(LAUNCH.state_stages),
     )
-    bv_o = min(LAUNCH.output_block_v, v_pad)
+    bv_o = min(LAUNCH.ieee_block_v if ieee else LAUNCH.output_block_v, v_pad)
     _output_kernel[(NT, HV, triton.cdiv(V, bv_o))](
         q, kn, states, v_new, g, query_start_loc, plan.chunks, o, q.stride(0),
         float(K**-0.5 if scale is None else scale),
