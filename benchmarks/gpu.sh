@@ -2,28 +2,29 @@
 # The H200 entry of the benchmark suite: runs the chosen families one after another, each under
 # `timeout`, writes $OUT/<family>.json and $OUT/<family>.log, and prints one summary line each.
 #
-#   bash benchmarks/gpu.sh SUITE...     SUITE: kernels e2e gdn hybrid serve cpu profile, or all
-#                                       (all = kernels e2e gdn hybrid serve cpu)
+#   bash benchmarks/gpu.sh SUITE...     SUITE: kernels e2e gdn hybrid quant serve cpu profile, or all
+#                                       (all = kernels e2e gdn hybrid quant serve cpu)
 #
 #   kernels  kernel_bench.py: copy, store, decode grid bf16 vs fp8 vs FlexAttention, prefill vs SDPA
 #   e2e      e2e_bench.py: nano-vllm workload, Qwen3-0.6B (+ transformers on 64 requests), Llama-3-8B
 #   gdn      gdn_bench.py: GDN prefill / conv / decode kernels (27B heads) vs fla-core (WHEELS)
+#   quant    quant_bench.py: the W4A16 NVFP4 GEMM vs the bf16 GEMM (cuBLAS) on the 27B MLP shapes
 #   hybrid   hybrid_bench.py: Qwen3.6-27B-shaped prefill + decode, bf16 vs fp8 KV, transformers generate
 #   serve    serve_bench.py: kvserve serve + kvserve bench serve, c1/16/64/256, bf16 vs fp8 KV
 #   cpu      cpu_bench.py on the host CPU (default model if built, else SmolLM2-shaped random weights)
 #   profile  e2e_bench.py --profile: where a Qwen3-0.6B decode step's time goes, bf16 and fp8
 #
 # Seconds each family may take (a device call allows 600 s: two families fit one call):
-#   KERNELS_S=150 E2E_S=330 GDN_S=150 HYBRID_S=330 SERVE_S=240 CPU_S=300 PROFILE_S=120
-# More flags for one family's script: KERNELS_ARGS E2E_ARGS GDN_ARGS HYBRID_ARGS SERVE_ARGS CPU_ARGS PROFILE_ARGS.
+#   KERNELS_S=150 E2E_S=330 GDN_S=150 HYBRID_S=330 QUANT_S=240 SERVE_S=240 CPU_S=300 PROFILE_S=120
+# More flags for one family's script: KERNELS_ARGS E2E_ARGS GDN_ARGS HYBRID_ARGS QUANT_ARGS SERVE_ARGS CPU_ARGS PROFILE_ARGS.
 # OUT: the output folder (default a new /tmp/kvserve-bench.* folder). KVSERVE_COMMIT: the commit
 # each JSON records (set it on the device machine: its copy of the tree has no or a stale .git).
 # WHEELS: a folder of .whl files carried to the device (the server's wheels for `serve`, peers such
 # as fla-core): installed with pip --no-index --no-deps into /tmp/kvserve-site, first on PYTHONPATH.
 set -uo pipefail
 
-FAMILIES=(kernels e2e gdn hybrid serve cpu profile)
-ALL=(kernels e2e gdn hybrid serve cpu)
+FAMILIES=(kernels e2e gdn hybrid quant serve cpu profile)
+ALL=(kernels e2e gdn hybrid quant serve cpu)
 known() {
   local f
   for f in "${FAMILIES[@]}" all; do [ "$1" = "$f" ] && return 0; done
@@ -50,7 +51,7 @@ if [ -n "${WHEELS:-}" ]; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/kvserve-site "$WHEELS"/*.whl 2>&1 | tail -3
   export PYTHONPATH=/tmp/kvserve-site:$PYTHONPATH
 fi
-KERNELS_S=${KERNELS_S:-150} E2E_S=${E2E_S:-330} GDN_S=${GDN_S:-150} HYBRID_S=${HYBRID_S:-330}
+KERNELS_S=${KERNELS_S:-150} E2E_S=${E2E_S:-330} GDN_S=${GDN_S:-150} HYBRID_S=${HYBRID_S:-330} QUANT_S=${QUANT_S:-240}
 SERVE_S=${SERVE_S:-240} CPU_S=${CPU_S:-300} PROFILE_S=${PROFILE_S:-120}
 
 default_model_built() {
@@ -68,6 +69,8 @@ family_command() {
                --peer-timeout-s 60 --out "$OUT/e2e.json" ${E2E_ARGS:-} ;;
     gdn)     echo python3 benchmarks/gdn_bench.py --out "$OUT/gdn.json" ${GDN_ARGS:-} ;;
     hybrid)  echo python3 benchmarks/hybrid_bench.py --out "$OUT/hybrid.json" ${HYBRID_ARGS:-} ;;
+    quant)   echo python3 benchmarks/quant_bench.py --out "$OUT/quant.json" --time-budget-s $((QUANT_S - 60)) \
+               ${QUANT_ARGS:-} ;;
     serve)   echo python3 benchmarks/serve_bench.py --out "$OUT/serve.json" ${SERVE_ARGS:-} ;;
     cpu)     if default_model_built; then model=(); else model=(--model benchmarks/configs/smollm2-135m); fi
              echo env CUDA_VISIBLE_DEVICES= python3 benchmarks/cpu_bench.py "${model[@]}" --out "$OUT/cpu.json" \
@@ -79,7 +82,7 @@ family_command() {
 
 budget_of() {
   case $1 in
-    kernels) echo "$KERNELS_S" ;; e2e) echo "$E2E_S" ;; gdn) echo "$GDN_S" ;;
+    kernels) echo "$KERNELS_S" ;; e2e) echo "$E2E_S" ;; gdn) echo "$GDN_S" ;; quant) echo "$QUANT_S" ;;
     hybrid) echo "$HYBRID_S" ;;
     serve) echo "$SERVE_S" ;; cpu) echo "$CPU_S" ;; profile) echo "$PROFILE_S" ;;
   esac

@@ -17,9 +17,9 @@ BENCH = REPO / "benchmarks"
 RUN_FIELDS = {"benchmark", "date", "command", "smoke", "git_commit", "gpu", "cpu", "python", "torch", "triton",
               "transformers"}
 # one smoke test per script below; the helper modules beside them are not benchmarks
-SMOKE_TESTED = {"kernel_bench", "e2e_bench", "gdn_bench", "hybrid_bench", "serve_bench", "cpu_bench"}
+SMOKE_TESTED = {"kernel_bench", "e2e_bench", "gdn_bench", "hybrid_bench", "quant_bench", "serve_bench", "cpu_bench"}
 HELPERS = {"common", "flex_paged"}
-FAMILIES = ("kernels", "e2e", "gdn", "hybrid", "serve", "cpu", "profile")
+FAMILIES = ("kernels", "e2e", "gdn", "hybrid", "quant", "serve", "cpu", "profile")
 
 
 def run_smoke(script: str, tmp_path: Path, *extra: str, timeout: float = 300) -> tuple[dict, str]:
@@ -51,6 +51,16 @@ def test_gdn_smoke_times_every_kernel_and_checks_the_prefill_against_the_referen
         assert row["kvserve_ms"] > 0 and row["kvserve_output_rel_err"] < 1e-5 and row["kvserve_state_rel_err"] < 1e-5
     assert all(r["kvserve_ms"] > 0 and r["torch_conv1d_ms"] > 0 for r in doc["conv1d"])
     assert [r["batch"] for r in doc["decode"]] == [1, 3] and all(r["kvserve_ms"] > 0 for r in doc["decode"])
+
+
+def test_quant_smoke_times_the_w4a16_gemm_and_checks_it_against_the_dequantized_product(tmp_path):
+    doc, out = run_smoke("quant_bench", tmp_path)
+    rows = doc["rows"]
+    assert [(r["shape"], r["m"]) for r in rows] == [("tiny", 1), ("tiny", 20), ("tiny_down", 1), ("tiny_down", 20)]
+    for r in rows:  # fp32 in the smoke run: only the summation order differs from x @ dequantize(W)^T
+        assert r["dense_ms"] > 0 and r["w4a16_ms"] > 0 and r["rel_err"] < 1e-5
+        assert len(r["sweep"]) == 3 and all(t.get("rel_err", 1) < 1e-5 for t in r["sweep"]) and r["best_ms"] > 0
+    assert "summary: w4a16 / bf16 GEMM speed tiny m1" in out
 
 
 def test_kernels_smoke_checks_every_kernel_against_the_reference(tmp_path):

@@ -50,18 +50,30 @@ def test_w4a16_matmul_equals_dequantize_then_matmul(dtype, shape):
         assert _bound_ok((x.to(DEV) @ wd.to(DEV).T).cpu(), x, wd)
 
 
-@pytest.mark.parametrize("tiles", [(16, 16, 32, 1), (32, 64, 64, 4), (16, 32, 128, 2)])
-def test_w4a16_tiles_and_leading_dims(tiles):
-    """Forced tiles give the same bound; x with leading dims [2, 3, K] -> [2, 3, N]."""
-    from kvserve.kernels.triton_w4a16 import w4a16_matmul
+@pytest.mark.parametrize("tiles", [(16, 16, 32, 1, 1, 1), (32, 64, 64, 4, 2, 2), (16, 32, 32, 2, 3, 3), (16, 64, 128, 4, 3, 4)],
+                         ids=lambda t: "x".join(map(str, t)))
+def test_w4a16_tiles_split_k_and_leading_dims(tiles):
+    """Forced tiles give the same bound, K split into 1, 2 or 3 parts (K = 96; split_k 4 with a
+    128-wide K step is one part); x with leading dims [2, 3, K] -> [2, 3, N] into a poisoned output."""
+    from kvserve.kernels.triton_w4a16 import W4A16Tiles, w4a16_matmul
 
     gen = torch.Generator().manual_seed(sum(tiles))
     w = torch.randn(40, 96, generator=gen)
     packed, block_scale, s2 = quantize_nvfp4(w)
     x = torch.randn(2, 3, 96, generator=gen).to(torch.bfloat16)
-    y = w4a16_matmul(x.to(DEV), packed.to(DEV), block_scale.to(DEV), s2.to(DEV), tiles=tiles)
-    assert y.shape == (2, 3, 40) and y.dtype == torch.bfloat16
+    out = torch.full((6, 40), float("nan"), dtype=torch.bfloat16, device=DEV)
+    y = w4a16_matmul(x.to(DEV), packed.to(DEV), block_scale.to(DEV), s2.to(DEV), out=out, tiles=W4A16Tiles(*tiles))
+    assert y.shape == (2, 3, 40) and y.dtype == torch.bfloat16 and y.data_ptr() == out.data_ptr()
     assert _bound_ok(y.cpu().reshape(6, 40), x.reshape(6, 96), dequantize_nvfp4(packed, block_scale, s2, torch.bfloat16))
+
+
+def test_w4a16_rejects_bad_tiles():
+    from kvserve.kernels.triton_w4a16 import W4A16Tiles, w4a16_matmul
+
+    packed, block_scale, s2 = quantize_nvfp4(torch.randn(8, 64))
+    x = torch.randn(1, 64).to(DEV)
+    with pytest.raises(ValueError, match="block_k a multiple of 32"):
+        w4a16_matmul(x, packed.to(DEV), block_scale.to(DEV), s2.to(DEV), tiles=W4A16Tiles(16, 16, 48))
 
 
 def test_w4a16_per_row_global_scales_of_fused_siblings():

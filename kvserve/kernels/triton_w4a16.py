@@ -8,10 +8,13 @@ vLLM's Marlin path needs one and warns). Each tile is decoded exactly as ``quant
 (float32(block scale) x global scale), both products in fp32, rounded once to the activation dtype;
 the products with x accumulate in fp32 (tensor cores for bf16 / fp16; IEEE fp32 dots for float32).
 So the result is ``x @ dequantize_nvfp4(W, x.dtype)^T`` up to the GEMM's summation order.
-Launch tiles are untuned (no H200 run yet).
+K can be split over several programs (``W4A16Tiles.split_k``) so that a decode-sized product with
+few output columns still fills the GPU; the fp32 partials are summed in order (deterministic).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -20,24 +23,45 @@ import triton.language as tl
 from kvserve.quant.nvfp4 import NVFP4_GROUP_SIZE as GROUP  # the block size along K
 
 
+@dataclass(frozen=True)
+class W4A16Tiles:
+    """Launch tiles: rows x output columns x K step of a program, warps, pipeline stages, and
+    ``split_k`` parts of K run as separate programs (fp32 partials summed after, in a fixed order)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+    split_k: int = 1
+
+
 @triton.jit
 def _w4a16_kernel(
     x_ptr, w_ptr, s_ptr, s2_ptr, y_ptr,
-    M, N, K,
-    stride_xm, stride_wn, stride_sn, stride_ym,
+    M, N, K, k_per_split,
+    stride_xm, stride_wn, stride_sn, stride_ym, stride_ys,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
     ROW_SCALES: tl.constexpr, GROUP: tl.constexpr,
 ):
-    """One [BLOCK_M, BLOCK_N] tile of y; walks K in BLOCK_K steps (a multiple of 2 x GROUP)."""
+    """One [BLOCK_M, BLOCK_N] tile of y over K range ``[split * k_per_split, +k_per_split)`` (a
+    multiple of BLOCK_K, itself a multiple of 2 x GROUP), in BLOCK_K steps."""
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(2)
     m_ok, n_ok = rm < M, rn < N
     if ROW_SCALES:  # one global scale per output row, else the tensor's one
         s2 = tl.load(s2_ptr + rn, mask=n_ok, other=0.0)
     else:
         s2 = tl.load(s2_ptr + rn * 0)
+    # e2m1 -> fp16 bits: sign to bit 15, the 3 magnitude bits (e1 e0 m) to bits 11-9, so fp16 reads
+    # 2^(e - 15) (1 + m / 2), or m 2^-15 for e == 0; times 2^14 that is the e2m1 value, exactly.
+    # The 2^14 goes into the scale (a power of two: exact), so each element costs the bit moves,
+    # one conversion and one fp32 multiply: value x (float32(block scale) x global scale).
+    s2 = s2 * 16384.0
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_lo = split * k_per_split
+    for k0 in range(k_lo, tl.minimum(k_lo + k_per_split, K), BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + rm.to(tl.int64)[:, None] * stride_xm + rk[None, :],
                     mask=m_ok[:, None] & (rk < K)[None, :], other=0.0)
@@ -45,11 +69,8 @@ def _w4a16_kernel(
         wb = tl.load(w_ptr + rn.to(tl.int64)[:, None] * stride_wn + rb[None, :],
                      mask=n_ok[:, None] & (rb < K // 2)[None, :], other=0).to(tl.int32)
         codes = tl.reshape(tl.join(wb & 0xF, wb >> 4), (BLOCK_N, BLOCK_K))  # low nibble first
-        mag = codes & 7
-        e, half = mag >> 1, (mag & 1).to(tl.float32) * 0.5
-        # e2m1 magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6}: 0.5 m when e == 0, else (1 + 0.5 m) 2^(e - 1)
-        val = tl.where(e == 0, half, (1.0 + half) * tl.where(e == 1, 1.0, tl.where(e == 2, 2.0, 4.0)))
-        val = tl.where(codes >= 8, -val, val)
+        bits = ((codes & 8) << 12) | ((codes & 7) << 9)
+        val = bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
         rg = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
         sb = tl.load(s_ptr + rn.to(tl.int64)[:, None] * stride_sn + rg[None, :],
                      mask=n_ok[:, None] & (rg < K // GROUP)[None, :], other=0)
@@ -60,26 +81,28 @@ def _w4a16_kernel(
             acc += tl.dot(x, tl.trans(w), input_precision="ieee")
         else:
             acc += tl.dot(x, tl.trans(w))
+    y_ptr += split.to(tl.int64) * stride_ys
     tl.store(y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
 
 
-def _tiles(m: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps): decode-sized rows read wide weight tiles."""
+def default_tiles(m: int, n: int, k: int) -> W4A16Tiles:
+    """The launch tiles for an [m, k] x [k, n] product (untuned until the H200 sweep lands)."""
     if m <= 16:
-        return 16, 64, 128, 4
+        return W4A16Tiles(16, 64, 128, 4)
     if m <= 64:
-        return 64, 64, 64, 4
-    return 128, 128, 64, 8
+        return W4A16Tiles(64, 64, 64, 4)
+    return W4A16Tiles(128, 128, 64, 8)
 
 
 def w4a16_matmul(
     x: torch.Tensor, packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor,
-    out: torch.Tensor | None = None, tiles: tuple[int, int, int, int] | None = None,
+    out: torch.Tensor | None = None, tiles: W4A16Tiles | None = None,
 ) -> torch.Tensor:
     """x [..., K] (bf16 / fp16 / fp32, last dim contiguous) @ W^T -> [..., N] in x's dtype; W as the
-    module docstring (``global_scale`` a 1-element or [N] fp32 tensor on x's device). ``tiles`` overrides
-    (BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for tests and tuning."""
+    module docstring (``global_scale`` a 1-element or [N] fp32 tensor on x's device). ``tiles``
+    overrides ``default_tiles`` (tests and tuning); every tiling gives the same product up to the
+    fp32 summation order."""
     n, half_k = packed.shape
     k = x.shape[-1]
     if packed.dtype != torch.uint8 or k != 2 * half_k or k % GROUP:
@@ -96,12 +119,20 @@ def w4a16_matmul(
     y = out if out is not None else torch.empty((m, n), dtype=x.dtype, device=x.device)
     assert y.shape == (m, n) and y.stride(-1) == 1
     if m:
-        bm, bn, bk, warps = tiles or _tiles(m)
-        grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+        t = tiles or default_tiles(m, n, k)
+        if t.block_k % (2 * GROUP) or t.split_k < 1:
+            raise ValueError(f"w4a16_matmul: {t} needs block_k a multiple of {2 * GROUP} and split_k >= 1")
+        k_per_split = triton.cdiv(triton.cdiv(k, t.split_k), t.block_k) * t.block_k
+        splits = triton.cdiv(k, k_per_split)
+        part = y if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
+        grid = (triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n), splits)
         _w4a16_kernel[grid](
-            x2, packed, block_scale.view(torch.uint8), global_scale.reshape(-1).float(), y,
-            m, n, k, x2.stride(0), packed.stride(0), block_scale.stride(0), y.stride(0),
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, IEEE=x.dtype == torch.float32,
-            ROW_SCALES=global_scale.numel() > 1, GROUP=GROUP, num_warps=warps,
+            x2, packed, block_scale.view(torch.uint8), global_scale.reshape(-1).float(), part,
+            m, n, k, k_per_split, x2.stride(0), packed.stride(0), block_scale.stride(0), part.stride(-2),
+            part.stride(0) if splits > 1 else 0,
+            BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, IEEE=x.dtype == torch.float32,
+            ROW_SCALES=global_scale.numel() > 1, GROUP=GROUP, num_warps=t.num_warps, num_stages=t.num_stages,
         )
+        if splits > 1:
+            torch.sum(part, dim=0, out=y) if y.dtype == torch.float32 else y.copy_(part.sum(0))
     return y.reshape(*x.shape[:-1], n)

@@ -1,0 +1,148 @@
+#!/usr/bin/env python
+"""Quantized-weight GEMMs on one GPU (the quant family of the suite, issue 15): kvserve's W4A16 NVFP4
+GEMM (``kernels/triton_w4a16.py``) against torch's bf16 GEMM (cuBLAS) on the Qwen3.6-27B MLP shapes
+(gate or up 17408 x 5120, the fused gate | up 34816 x 5120, down 5120 x 17408) at batch 1-256.
+
+Random bf16 weights quantized by the reference codec (``quant/nvfp4.py``); every point's output is
+checked against x @ dequantize_nvfp4(W)^T (max |error| / max |reference|). Times are
+``triton.testing.do_bench`` medians, which clear the L2 cache before every call (the NVFP4 down
+projection, ~50 MB, would otherwise sit in the H200's L2 between calls and cuBLAS's 178 MB would
+not). ``--sweep`` also times a grid of launch tiles per point and records every one (the tuning
+run behind ``default_tiles``); without it only the default tiles run.
+
+    python3 benchmarks/quant_bench.py --out q.json               # H200 (bash benchmarks/gpu.sh quant)
+    python3 benchmarks/quant_bench.py --smoke --out /tmp/q.json  # CPU, Triton interpreter: tiny shapes
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+if "--smoke" in sys.argv:  # before any kvserve.kernels.triton_* import
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+from kvserve.quant.nvfp4 import dequantize_nvfp4, quantize_nvfp4  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+# bf16 on the GPU; the CPU smoke run takes fp32 (the interpreter's bf16 tl.dot is wrong, see tests/triton_support.py)
+DTYPE = torch.bfloat16 if DEV == "cuda" else torch.float32
+SHAPES = {"gate_or_up": (17408, 5120), "gate_up_fused": (34816, 5120), "down": (5120, 17408)}  # (N, K)
+BATCHES = [1, 4, 16, 64, 128, 256]
+
+
+def _time_ms(fn) -> float:
+    if DEV == "cuda":
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median"))
+    fn()
+    t = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t) * 1e3
+
+
+def sweep_tiles(m: int) -> list:
+    """The tiles a sweep tries at batch ``m`` (split_k is a launch argument: no extra compiles)."""
+    from kvserve.kernels.triton_w4a16 import W4A16Tiles
+
+    if m <= 16:
+        return [W4A16Tiles(16, bn, bk, w, st, sk) for bn in (32, 64, 128) for bk in (128, 256) for st in (3, 4)
+                for w in ((4, 8) if bn == 128 else (4,)) for sk in (1, 2, 4)]
+    if m <= 64:
+        return [W4A16Tiles(64, bn, bk, w, st) for bn in (64, 128) for bk in (64, 128) for w in (4, 8) for st in (3, 4)]
+    return [W4A16Tiles(128, bn, bk, 8, st) for bn in (128, 256) for bk in (64, 128) for st in (3, 4)]
+
+
+def bench(shapes: dict, batches: list[int], sweep: int, budget_s: float, doc: dict, save) -> None:
+    """Time every (shape, batch) point; ``sweep`` > 0 also tries up to that many of ``sweep_tiles``."""
+    from kvserve.kernels.triton_w4a16 import default_tiles, w4a16_matmul
+
+    t_end = time.perf_counter() + budget_s
+    gen = torch.Generator().manual_seed(0)
+    for name, (n, k) in shapes.items():
+        w = (torch.randn(n, k, generator=gen) * 0.02).to(DTYPE)
+        packed, block_scale, s2 = (t.to(DEV) for t in quantize_nvfp4(w))
+        wd = dequantize_nvfp4(packed, block_scale, s2, DTYPE)
+        for m in batches:
+            if time.perf_counter() > t_end:
+                doc["cut_short"] = True
+                return
+            x = torch.randn(m, k, generator=gen).to(DTYPE).to(DEV)
+            want = F.linear(x, wd)
+            dense_ms = _time_ms(lambda: F.linear(x, wd))
+
+            def run(tiles=None):
+                y = w4a16_matmul(x, packed, block_scale, s2, tiles=tiles)
+                err = float((y.float() - want.float()).abs().max() / want.float().abs().max())
+                return _time_ms(lambda: w4a16_matmul(x, packed, block_scale, s2, tiles=tiles)), err
+
+            ms, err = run()
+            row = {"shape": name, "n": n, "k": k, "m": m, "dense_ms": dense_ms, "w4a16_ms": ms,
+                   "speedup": dense_ms / ms, "rel_err": err, "tiles": vars(default_tiles(m, n, k))}
+            if sweep:
+                tried = []
+                for t in sweep_tiles(m)[:sweep]:
+                    if time.perf_counter() > t_end:
+                        doc["cut_short"] = True
+                        break
+                    try:
+                        t_ms, t_err = run(t)
+                        tried.append({"tiles": vars(t), "ms": t_ms, "rel_err": t_err})
+                    except Exception as e:  # noqa: BLE001 (out of shared memory / registers: recorded)
+                        tried.append({"tiles": vars(t), "error": f"{type(e).__name__}: {str(e)[:120]}"})
+                ok = [r for r in tried if "ms" in r]
+                row["sweep"] = tried
+                if ok:
+                    best = min(ok, key=lambda r: r["ms"])
+                    row.update(best_ms=best["ms"], best_tiles=best["tiles"], best_speedup=dense_ms / best["ms"])
+            doc["rows"].append(row)
+            print(f"{name:14s} m {m:4d}: bf16 {dense_ms * 1e3:8.1f} us, w4a16 {ms * 1e3:8.1f} us ({dense_ms / ms:.2f}x)"
+                  + (f", best {row['best_ms'] * 1e3:8.1f} us ({row['best_speedup']:.2f}x) {row['best_tiles']}"
+                     if "best_ms" in row else "") + f", rel err {err:.1e}", flush=True)
+            save()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"of {', '.join(SHAPES)}")
+    ap.add_argument("--sweep", action="store_true", help="also time a grid of launch tiles per point")
+    ap.add_argument("--time-budget-s", type=float, default=240.0, help="stop starting new points after this")
+    ap.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, batch 1 and 20, a short sweep")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    unknown = set(a.shapes.split(",")) - set(SHAPES)
+    if unknown:
+        ap.error(f"unknown shape(s) {sorted(unknown)}; accepted: {', '.join(SHAPES)}")
+    shapes = {s: SHAPES[s] for s in a.shapes.split(",")}
+    batches = [int(b) for b in a.batches.split(",") if b]
+    if a.smoke:
+        shapes, batches = {"tiny": (96, 128), "tiny_down": (64, 256)}, [1, 20]
+    doc = {"run": common.run_info("quant_bench", argv, a.smoke), "benchmark": "W4A16 NVFP4 GEMM vs bf16 GEMM",
+           "device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu", "dtype": str(DTYPE), "rows": []}
+    out = a.out or common.default_out("quant")
+
+    def save() -> None:
+        common.write_json(out, doc)
+
+    bench(shapes, batches, 3 if a.smoke else (10**6 if a.sweep else 0), a.time_budget_s, doc, save)
+    save()
+    parts = [f"{r['shape']} m{r['m']} {r['speedup']:.2f}x" for r in doc["rows"]]
+    print(f"wrote {out}")
+    print("summary: w4a16 / bf16 GEMM speed " + ", ".join(parts))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
