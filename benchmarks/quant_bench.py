@@ -56,11 +56,11 @@ def sweep_tiles(m: int) -> list:
     from kvserve.kernels.triton_w4a16 import W4A16Tiles
 
     if m <= 16:
-        return [W4A16Tiles(16, bn, bk, w, st, sk) for bn in (32, 64, 128) for bk in (128, 256) for st in (3, 4)
+        return [W4A16Tiles(16, bn, bk, w, 3, sk) for bn in (32, 64, 128) for bk in (128, 256)
                 for w in ((4, 8) if bn == 128 else (4,)) for sk in (1, 2, 4)]
     if m <= 64:
-        return [W4A16Tiles(64, bn, bk, w, st) for bn in (64, 128) for bk in (64, 128) for w in (4, 8) for st in (3, 4)]
-    return [W4A16Tiles(128, bn, bk, 8, st) for bn in (128, 256) for bk in (64, 128) for st in (3, 4)]
+        return [W4A16Tiles(64, bn, bk, w, 3) for bn in (64, 128) for bk in (64, 128) for w in (4, 8)]
+    return [W4A16Tiles(128, bn, bk, 8, 3) for bn in (128, 256) for bk in (64, 128)]
 
 
 def bench(shapes: dict, batches: list[int], sweep: int, budget_s: float, doc: dict, save) -> None:
