@@ -37,6 +37,14 @@ class W4A16Tiles:
 
 
 @triton.jit
+def _e2m1_times_2_14(codes):
+    """e2m1 codes (int32, 0-15) -> fp32 value / 2^14: the sign to bit 15 of an fp16, the 3 magnitude
+    bits (e1 e0 m) to bits 11-9, which reads 2^(e - 15) (1 + m / 2), or m 2^-15 for e == 0."""
+    bits = ((codes & 8) << 12) | ((codes & 7) << 9)
+    return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
 def _w4a16_kernel(
     x_ptr, w_ptr, s_ptr, s2_ptr, y_ptr,
     M, N, K, k_per_split,
@@ -54,33 +62,35 @@ def _w4a16_kernel(
         s2 = tl.load(s2_ptr + rn, mask=n_ok, other=0.0)
     else:
         s2 = tl.load(s2_ptr + rn * 0)
-    # e2m1 -> fp16 bits: sign to bit 15, the 3 magnitude bits (e1 e0 m) to bits 11-9, so fp16 reads
-    # 2^(e - 15) (1 + m / 2), or m 2^-15 for e == 0; times 2^14 that is the e2m1 value, exactly.
-    # The 2^14 goes into the scale (a power of two: exact), so each element costs the bit moves,
-    # one conversion and one fp32 multiply: value x (float32(block scale) x global scale).
+    # the e2m1 value's 2^14 goes into the scale (a power of two: exact), so each element costs the
+    # bit moves, one conversion and one fp32 multiply: value x (float32(block scale) x global scale)
     s2 = s2 * 16384.0
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_lo = split * k_per_split
+    # The weight tile is taken as [BLOCK_K / 2, BLOCK_N] bytes: the low nibbles are the even K rows,
+    # the high nibbles the odd ones, so x is read as its even and odd columns and two dots of
+    # BLOCK_K / 2 add up (no interleaving of the nibbles, no transpose); byte j's block scale is
+    # byte j // (GROUP / 2)'s (read once per byte, from cache).
+    rj = tl.arange(0, BLOCK_K // 2)
     for k0 in range(k_lo, tl.minimum(k_lo + k_per_split, K), BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + rm.to(tl.int64)[:, None] * stride_xm + rk[None, :],
-                    mask=m_ok[:, None] & (rk < K)[None, :], other=0.0)
-        rb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        wb = tl.load(w_ptr + rn.to(tl.int64)[:, None] * stride_wn + rb[None, :],
-                     mask=n_ok[:, None] & (rb < K // 2)[None, :], other=0).to(tl.int32)
-        codes = tl.reshape(tl.join(wb & 0xF, wb >> 4), (BLOCK_N, BLOCK_K))  # low nibble first
-        bits = ((codes & 8) << 12) | ((codes & 7) << 9)
-        val = bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-        rg = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
-        sb = tl.load(s_ptr + rn.to(tl.int64)[:, None] * stride_sn + rg[None, :],
-                     mask=n_ok[:, None] & (rg < K // GROUP)[None, :], other=0)
-        scale = sb.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s2[:, None]  # [BLOCK_N, BLOCK_K / GROUP]
-        w = tl.reshape(tl.reshape(val, (BLOCK_N, BLOCK_K // GROUP, GROUP)) * scale[:, :, None], (BLOCK_N, BLOCK_K))
-        w = w.to(x_ptr.dtype.element_ty)
+        rb = k0 // 2 + rj
+        b_ok = rb < K // 2
+        x_row = x_ptr + rm.to(tl.int64)[:, None] * stride_xm + 2 * rb[None, :]
+        x_mask = m_ok[:, None] & b_ok[None, :]
+        x_even = tl.load(x_row, mask=x_mask, other=0.0)
+        x_odd = tl.load(x_row + 1, mask=x_mask, other=0.0)
+        w_mask = b_ok[:, None] & n_ok[None, :]
+        wb = tl.load(w_ptr + rn.to(tl.int64)[None, :] * stride_wn + rb[:, None], mask=w_mask, other=0).to(tl.int32)
+        sb = tl.load(s_ptr + rn.to(tl.int64)[None, :] * stride_sn + (rb // (GROUP // 2))[:, None], mask=w_mask, other=0)
+        scale = sb.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s2[None, :]  # [BLOCK_K / 2, BLOCK_N]
+        w_even = (_e2m1_times_2_14(wb & 0xF) * scale).to(x_ptr.dtype.element_ty)
+        w_odd = (_e2m1_times_2_14(wb >> 4) * scale).to(x_ptr.dtype.element_ty)
         if IEEE:
-            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+            acc += tl.dot(x_even, w_even, input_precision="ieee")
+            acc += tl.dot(x_odd, w_odd, input_precision="ieee")
         else:
-            acc += tl.dot(x, tl.trans(w))
+            acc += tl.dot(x_even, w_even)
+            acc += tl.dot(x_odd, w_odd)
     y_ptr += split.to(tl.int64) * stride_ys
     tl.store(y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
