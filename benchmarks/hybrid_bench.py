@@ -16,6 +16,12 @@ context) over the device-to-device copy bandwidth measured in the same run.
     python3 benchmarks/hybrid_bench.py --out hybrid.json               # H200 by hand
     python3 benchmarks/hybrid_bench.py --config DIR --out moe.json     # another hybrid config
     python3 benchmarks/hybrid_bench.py --smoke --out /tmp/hybrid.json  # CPU: tiny config, every path
+
+``--quantization ALGO`` (a ModelOpt algo, e.g. MIXED_PRECISION, the Qwen3.6 NVFP4 recipe) also runs
+the same config quantized: the configs of its ModelOpt export without weights
+(``kvserve.tools.modelopt_export --config-only``) and random packed weights (``--load-format
+dummy``), at ``--quantized-kv`` (``auto`` = fp8 from the export's ``kv_cache_quant_algo``), its
+decode roofline from ``--quantized-traffic-model`` (the checkpoint's weight bytes).
 """
 
 from __future__ import annotations
@@ -35,7 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (also puts the repository root on sys.path: kvserve)
 
 from kvserve import LLM, SamplingParams  # noqa: E402
-from kvserve.tools.traffic import model_shape, traffic  # noqa: E402
+from kvserve.tools.modelopt_export import ALGOS, export_config_only  # noqa: E402
+from kvserve.tools.traffic import ModelShape, model_shape, traffic  # noqa: E402
 
 CONFIG = common.CONFIGS / "qwen3.6-27b"
 
@@ -112,7 +119,7 @@ def _decode_steps(llm: LLM, prompts: list, osl: int) -> tuple[float, float]:
 
 def run_kvserve(folder: Path, kv: str, isl: int, concurrency: list[int], vocab: int, dtype: str, budget: int,
                 kv_cache_memory: int | None = None, decode_concurrency: tuple[int, ...] = (), osl: int = 0,
-                bandwidth: float | None = None, repeats: int = 1) -> dict:
+                bandwidth: float | None = None, repeats: int = 1, shape: ModelShape | None = None) -> dict:
     t0 = time.perf_counter()
     llm = LLM(str(folder), load_format="dummy", skip_tokenizer_init=True, dtype=dtype, kv_cache_dtype=kv,
               max_num_seqs=max([*concurrency, *decode_concurrency]), max_num_batched_tokens=budget,
@@ -132,14 +139,15 @@ def run_kvserve(folder: Path, kv: str, isl: int, concurrency: list[int], vocab: 
         print(f"[kvserve {kv}] concurrency {c:3d}: {c * isl / dt:10.0f} prefill tok/s ({dt * 1e3:.1f} ms, median of "
               f"{repeats}: {', '.join(f'{x * 1e3:.1f}' for x in times)})", flush=True)
     decode = []
-    shape = model_shape(str(folder))
+    shape = shape or model_shape(str(folder))
+    resolved_kv = llm.llm_engine.config.cache_config.cache_dtype  # auto resolved (fp8 from a ModelOpt export)
     for c in decode_concurrency:
         prompts = [{"prompt_token_ids": p} for p in _prompts(c, isl, vocab, 1000 + c)]
         _decode_steps(llm, prompts, min(osl, 16))  # warm-up: the decode graphs' first replays
         full, step = _decode_steps(llm, prompts, osl)
         row = {"concurrency": c, "seconds": full, "out_tok_s": c * osl / full, "step_ms": step * 1e3}
         if bandwidth:
-            t = traffic(shape, isl, osl, c, kv_cache_dtype=kv, bandwidth=bandwidth)
+            t = traffic(shape, isl, osl, c, kv_cache_dtype=resolved_kv, bandwidth=bandwidth)
             roof = t.memory_s(getattr(t, t.selected).decode_mean)
             row.update(roofline_ms=roof * 1e3, step_over_roofline=step / roof)
         decode.append(row)
@@ -147,7 +155,8 @@ def run_kvserve(folder: Path, kv: str, isl: int, concurrency: list[int], vocab: 
               + (f" = {row['step_over_roofline']:.2f}x its roofline {row['roofline_ms']:.2f} ms" if bandwidth else ""),
               flush=True)
     runner = llm.llm_engine.runner
-    info = {"kv_cache_dtype": kv, "start_s": start_s, "num_blocks": llm.llm_engine.config.cache_config.num_blocks,
+    info = {"kv_cache_dtype": kv, "resolved_kv_cache_dtype": resolved_kv,
+            "start_s": start_s, "num_blocks": llm.llm_engine.config.cache_config.num_blocks,
             "state_slots": runner.state_pool.num_slots if runner.state_pool else 0,
             "cuda_graphs": runner.graphs is not None, "rows": rows, "decode": decode}
     del llm, runner
@@ -201,6 +210,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=9,
                     help="timed prefills per concurrency, the median reported (on the H200 one c1 prefill of the 27B "
                          "shape spreads over 88-98 ms; with 9 the median moves ~0.5%%, with 3 ~1.5%%)")
+    ap.add_argument("--quantization", default="none", choices=["none", *ALGOS],
+                    help="also run the config quantized as this ModelOpt algo (dummy packed weights)")
+    ap.add_argument("--quantized-kv", default="auto", help="KV dtypes of the quantized runs")
+    ap.add_argument("--quantized-traffic-model", default="qwen3.6-27b-nvfp4",
+                    help="kvserve traffic model of the quantized runs' roofline (a preset or a folder)")
     ap.add_argument("--smoke", action="store_true", help="CPU: a tiny config, ISL 64, concurrency 1,2, OSL 8")
     ap.add_argument("--out", default=None, help="JSON path (written after every engine)")
     a = ap.parse_args(argv)
@@ -232,6 +246,23 @@ def main(argv: list[str] | None = None) -> int:
         res["kvserve"][kv] = run_kvserve(folder, kv, isl, conc, vocab, dtype, max(a.max_num_batched_tokens, isl),
                                          kv_memory, decode_conc, osl, bandwidth, 1 if a.smoke else a.repeats)
         save()
+    if a.quantization != "none":
+        qfolder = export_config_only(folder, Path(tempfile.mkdtemp()) / f"{folder.name}-{a.quantization}", a.quantization)
+        qshape = model_shape(str(qfolder) if a.smoke else a.quantized_traffic_model)
+        res["kvserve_quantized"] = {"algo": a.quantization, "traffic_model": qshape.name,
+                                    "weight_bytes": qshape.weight_bytes, "kv": {}}
+        for kv in [k for k in a.quantized_kv.split(",") if k]:
+            res["kvserve_quantized"]["kv"][kv] = run_kvserve(
+                qfolder, kv, isl, conc, vocab, dtype, max(a.max_num_batched_tokens, isl), kv_memory, decode_conc, osl,
+                bandwidth, 1 if a.smoke else a.repeats, shape=qshape)
+            save()
+        base = res["kvserve"].get("bfloat16")
+        for kv, q in res["kvserve_quantized"]["kv"].items():
+            if base:
+                ratios = ", ".join(f"c{b['concurrency']} {r['prefill_tok_s'] / b['prefill_tok_s']:.3f}"
+                                   for b, r in zip(base["rows"], q["rows"]))
+                print(f"{a.quantization} (KV {kv} -> {q['resolved_kv_cache_dtype']}) / bf16 model (bf16 KV) prefill "
+                      f"tok/s: {ratios}", flush=True)
     shape = model_shape(str(folder))
     for c in conc:
         r = traffic(shape, isl, 1, c, prefill_chunk=min(isl, a.max_num_batched_tokens))
@@ -257,11 +288,15 @@ def main(argv: list[str] | None = None) -> int:
     runs = {f"kvserve {kv}": v["rows"] for kv, v in res["kvserve"].items()}
     if "transformers" in res:
         runs["transformers"] = res["transformers"]["rows"]
+    for kv, v in res.get("kvserve_quantized", {}).get("kv", {}).items():
+        runs[f"kvserve {a.quantization} {kv}"] = v["rows"]
     parts = [f"{name} prefill tok/s " + ", ".join(f"c{r['concurrency']} {r['prefill_tok_s']:.0f}" for r in rows)
              for name, rows in runs.items()]
-    parts += [f"kvserve {kv} decode step ms " + ", ".join(
+    engines = {f"kvserve {kv}": v for kv, v in res["kvserve"].items()}
+    engines.update({f"kvserve {a.quantization} {kv}": v for kv, v in res.get("kvserve_quantized", {}).get("kv", {}).items()})
+    parts += [f"{name} decode step ms " + ", ".join(
         f"c{r['concurrency']} {r['step_ms']:.2f}" + (f" ({r['step_over_roofline']:.2f}x)" if "roofline_ms" in r else "")
-        for r in v["decode"]) for kv, v in res["kvserve"].items() if v["decode"]]
+        for r in v["decode"]) for name, v in engines.items() if v["decode"]]
     common.print_summary("; ".join(parts))
     return 0
 

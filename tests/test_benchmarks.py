@@ -100,6 +100,21 @@ def test_e2e_profile_smoke_splits_a_decode_step(tmp_path):
         assert prof["top_ops"] and prof["top_ops"][0]["cpu_time_total_us"] > 0
 
 
+def test_hybrid_smoke_runs_the_config_quantized_with_dummy_packed_weights(tmp_path):
+    """--quantization: the tiny config's MIXED_PRECISION export without weights runs beside the bf16
+    model; --quantized-kv auto resolves to fp8_e4m3 from the export's kv_cache_quant_algo."""
+    doc, out = run_smoke("hybrid_bench", tmp_path, "--quantization", "MIXED_PRECISION", "--kv", "bfloat16",
+                         "--peer-concurrency=")
+    q = doc["kvserve_quantized"]
+    assert q["algo"] == "MIXED_PRECISION" and list(q["kv"]) == ["auto"]
+    run = q["kv"]["auto"]
+    assert run["resolved_kv_cache_dtype"] == "fp8_e4m3" and doc["kvserve"]["bfloat16"]["resolved_kv_cache_dtype"] == "bfloat16"
+    assert [r["concurrency"] for r in run["rows"]] == [1, 2] and all(r["prefill_tok_s"] > 0 for r in run["rows"])
+    assert [r["concurrency"] for r in run["decode"]] == [1, 2] and all(r["step_ms"] > 0 for r in run["decode"])
+    assert "MIXED_PRECISION (KV auto -> fp8_e4m3) / bf16 model (bf16 KV) prefill tok/s: c1 " in out
+    assert "kvserve MIXED_PRECISION auto prefill tok/s c1 " in out
+
+
 def test_hybrid_smoke_measures_prefill_and_decode_for_both_kv_dtypes(tmp_path):
     doc, _ = run_smoke("hybrid_bench", tmp_path)
     for kv in ("bfloat16", "fp8"):

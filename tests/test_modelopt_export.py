@@ -15,7 +15,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kvserve.quant.nvfp4 import dequantize_fp8_per_tensor, dequantize_nvfp4, quantize_nvfp4
-from kvserve.tools.modelopt_export import calibration_ids, export_modelopt, main, summarize_exclude_modules
+from kvserve.tools.modelopt_export import (
+    calibration_ids, export_config_only, export_modelopt, main, summarize_exclude_modules,
+)
 
 E4M3 = torch.float8_e4m3fn
 TOKENS = 48
@@ -449,3 +451,19 @@ def test_summarize_exclude_modules():
         "lm_head", "model.embed_tokens", "model.layers.0.mlp.gate", "model.layers.1.*", "model.layers.2*",
         "model.visual*", "mtp*",
     ]
+
+
+@pytest.mark.parametrize("arch,algo", [("llama", "NVFP4"), ("qwen3_5", "MIXED_PRECISION"), ("qwen3_5_moe", "MIXED_PRECISION")])
+def test_config_only_export_writes_the_full_exports_configs(exports, arch, algo, tmp_path):
+    """--config-only: the same hf_quant_config.json and config.json as the real export (module
+    kinds from the model on the meta device instead of the calibration run), and no weights."""
+    src, dst = exports(arch, algo)
+    assert main([str(src), str(tmp_path / "only"), "--algo", algo, "--config-only"]) == 0
+    only = tmp_path / "only"
+    for name in ("hf_quant_config.json", "config.json"):
+        assert json.loads((only / name).read_text()) == json.loads((dst / name).read_text()), name
+    assert not list(only.glob("*.safetensors"))
+    with pytest.raises(FileExistsError, match="not empty"):
+        export_config_only(src, only, algo)
+    with pytest.raises(ValueError, match="algo must be one of"):
+        export_config_only(src, tmp_path / "x", "INT4")

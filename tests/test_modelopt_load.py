@@ -181,3 +181,26 @@ def test_nvfp4_layers_run_the_w4a16_gemm_on_the_triton_backend(export, tmp_path,
                         "self_attn.qkv_proj FP8"}
     if arch in kinds:  # the start-up line says how each kind of layer is stored, once
         assert line[0].endswith(f"per layer kind: {kinds[arch]}"), line[0]
+
+
+@skip_without_triton_device()
+def test_config_only_export_runs_with_dummy_weights_and_resolves_fp8_kv(make_tiny_model, tmp_path, kvlog):
+    """The benchmarks' path for a model too large to export here: the configs of a MIXED_PRECISION
+    export without weights, `--load-format dummy`: the NVFP4 layers hold random packed codes (run by
+    the W4A16 GEMM on the triton backend), `--kv-cache-dtype auto` resolves to fp8_e4m3 from
+    `kv_cache_quant_algo: FP8`, and the model generates."""
+    from kvserve.tools.modelopt_export import export_config_only
+
+    folder = export_config_only(make_tiny_model("qwen3_5", seed=1), tmp_path / "only", "MIXED_PRECISION")
+    assert not list(folder.glob("*.safetensors"))
+    llm = LLM(str(folder), load_format="dummy", dtype="float32", kv_cache_dtype="auto", kv_cache_memory=1 << 22,
+              max_num_seqs=4, attention_backend="triton")
+    assert llm.llm_engine.config.cache_config.cache_dtype == "fp8_e4m3"
+    assert any(m.startswith("kv_cache_dtype=fp8_e4m3 (from ") for m in kvlog.messages())
+    params = dict(llm.llm_engine.runner.model.named_parameters())
+    packed = [n for n, p in params.items() if p.dtype == torch.uint8]
+    assert packed and all(".mlp." in n or n.startswith("lm_head") for n in packed)
+    assert all(int(params[n].max()) > 0 for n in packed)  # random codes, not zeros
+    out = llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4

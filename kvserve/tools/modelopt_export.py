@@ -1,7 +1,11 @@
 """Write NVIDIA ModelOpt-format checkpoints from a bf16/fp32 HF folder, for tests and benchmarks.
 
     python -m kvserve.tools.modelopt_export SRC DST --algo NVFP4|W4A16_NVFP4|FP8|MIXED_PRECISION \\
-        [--kv-cache-quant-algo FP8|none] [--calibration-tokens N] [--seed S]
+        [--kv-cache-quant-algo FP8|none] [--calibration-tokens N] [--seed S] [--config-only]
+
+``--config-only`` writes the export's configs and no weights (SRC needs only its config.json): the
+quantization layout of a model too large to export here, for ``--load-format dummy`` runs (the
+benchmarks' 27B shape), where the packed weights are random codes and no scale is read.
 
 Not ModelOpt: no AWQ/MSE, max calibration on random token ids, but the same files, tensor names,
 scales and config fields as ModelOpt's unified HF export (Model-Optimizer
@@ -650,6 +654,38 @@ def export_modelopt(
     return dst
 
 
+def export_config_only(src: Path, dst: Path, algo: str, *, kv_cache_quant_algo: str | None = "FP8") -> Path:
+    """The configs ``export_modelopt`` would write for ``src`` under ``algo``, without weights: the
+    module kinds come from transformers' model built on the meta device (no memory, no calibration).
+    For ``--load-format dummy``; returns ``dst``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    src, dst = Path(src), Path(dst)
+    if algo not in ALGOS:
+        raise ValueError(f"algo must be one of {ALGOS}, got {algo!r}")
+    if kv_cache_quant_algo not in KV_ALGOS:
+        raise ValueError(f"kv_cache_quant_algo must be one of {KV_ALGOS}, got {kv_cache_quant_algo!r}")
+    config = json.loads((src / "config.json").read_text())
+    if config.get("quantization_config"):
+        raise ValueError(f"{src} is already quantized ({config['quantization_config'].get('quant_method')})")
+    if dst.exists() and any(dst.iterdir()):
+        raise FileExistsError(f"{dst} exists and is not empty")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(src))
+    formats = {m: module_format(algo, m, kind) for m, kind in _module_kinds(model).items()}
+    if not any(formats.values()):
+        raise ValueError(f"{algo}: no Linear of {src} would be quantized")
+    hf = hf_quant_config(formats, kv_cache_quant_algo)
+    dst.mkdir(parents=True, exist_ok=True)
+    (dst / "hf_quant_config.json").write_text(json.dumps(hf, indent=4) + "\n")
+    config["quantization_config"] = quantization_config(hf)
+    (dst / "config.json").write_text(json.dumps(config, indent=4) + "\n")
+    for f in sorted(src.iterdir()):
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in {"config.json", "model.safetensors.index.json"}:
+            shutil.copy2(f, dst / f.name)
+    return dst
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvserve.tools.modelopt_export", description=__doc__.split("\n\n")[0])
     p.add_argument("src", type=Path, help="bf16/fp32 HF folder (config.json + *.safetensors)")
@@ -658,11 +694,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--kv-cache-quant-algo", default="FP8", choices=["FP8", "none"])
     p.add_argument("--calibration-tokens", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--config-only", action="store_true",
+                   help="write the configs only, no weights (for --load-format dummy; SRC needs only config.json)")
     args = p.parse_args(argv)
+    kv = None if args.kv_cache_quant_algo == "none" else args.kv_cache_quant_algo
+    if args.config_only:
+        export_config_only(args.src, args.dst, args.algo, kv_cache_quant_algo=kv)
+        print(args.dst)
+        return 0
     export_modelopt(
         args.src, args.dst, args.algo,
-        kv_cache_quant_algo=None if args.kv_cache_quant_algo == "none" else args.kv_cache_quant_algo,
-        calibration_tokens=args.calibration_tokens, seed=args.seed,
+        kv_cache_quant_algo=kv, calibration_tokens=args.calibration_tokens, seed=args.seed,
     )
     print(args.dst)
     return 0
