@@ -564,6 +564,31 @@ class _ShardWriter:
         (self.dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
+def _source_config(src: Path, dst: Path, algo: str, kv_cache_quant_algo: str | None) -> dict:
+    """``src``'s config.json, after checking the export's arguments."""
+    if algo not in ALGOS:
+        raise ValueError(f"algo must be one of {ALGOS}, got {algo!r}")
+    if kv_cache_quant_algo not in KV_ALGOS:
+        raise ValueError(f"kv_cache_quant_algo must be one of {KV_ALGOS}, got {kv_cache_quant_algo!r}")
+    config = json.loads((src / "config.json").read_text())
+    if config.get("quantization_config"):
+        raise ValueError(f"{src} is already quantized ({config['quantization_config'].get('quant_method')})")
+    if dst.exists() and any(dst.iterdir()):
+        raise FileExistsError(f"{dst} exists and is not empty")
+    return config
+
+
+def _write_configs(src: Path, dst: Path, config: dict, hf: dict) -> None:
+    """hf_quant_config.json, config.json with its quantization_config, and src's other small files."""
+    (dst / "hf_quant_config.json").write_text(json.dumps(hf, indent=4) + "\n")
+    config["quantization_config"] = quantization_config(hf)
+    (dst / "config.json").write_text(json.dumps(config, indent=4) + "\n")
+    skip = {"config.json", "hf_quant_config.json", "model.safetensors.index.json"}
+    for f in sorted(src.iterdir()):
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in skip:
+            shutil.copy2(f, dst / f.name)
+
+
 def export_modelopt(
     src: Path,
     dst: Path,
@@ -578,15 +603,7 @@ def export_modelopt(
     return ``dst``. ``algo``: NVFP4 (W4A4), W4A16_NVFP4, FP8 (per-tensor W8A8) or MIXED_PRECISION
     (the Qwen3.5/3.6 recipe). See the module docstring for what is written."""
     src, dst = Path(src), Path(dst)
-    if algo not in ALGOS:
-        raise ValueError(f"algo must be one of {ALGOS}, got {algo!r}")
-    if kv_cache_quant_algo not in KV_ALGOS:
-        raise ValueError(f"kv_cache_quant_algo must be one of {KV_ALGOS}, got {kv_cache_quant_algo!r}")
-    config = json.loads((src / "config.json").read_text())
-    if config.get("quantization_config"):
-        raise ValueError(f"{src} is already quantized ({config['quantization_config'].get('quant_method')})")
-    if dst.exists() and any(dst.iterdir()):
-        raise FileExistsError(f"{dst} exists and is not empty")
+    config = _source_config(src, dst, algo, kv_cache_quant_algo)
     dst.mkdir(parents=True, exist_ok=True)
     group_size = NVFP4_GROUP_SIZE
 
@@ -640,13 +657,7 @@ def export_modelopt(
     writer.finish()
 
     hf = hf_quant_config(formats, kv_cache_quant_algo, [f"{p}*" for p in mtp], group_size)
-    (dst / "hf_quant_config.json").write_text(json.dumps(hf, indent=4) + "\n")
-    config["quantization_config"] = quantization_config(hf)
-    (dst / "config.json").write_text(json.dumps(config, indent=4) + "\n")
-    skip = {"config.json", "hf_quant_config.json", "model.safetensors.index.json"}
-    for f in sorted(src.iterdir()):
-        if f.is_file() and f.suffix != ".safetensors" and f.name not in skip:
-            shutil.copy2(f, dst / f.name)
+    _write_configs(src, dst, config, hf)
     logger.info(
         "%s export of %s -> %s: %d quantized matrices, quant_algo %s",
         algo, src, dst, len(targets), hf["quantization"]["quant_algo"],
@@ -661,28 +672,14 @@ def export_config_only(src: Path, dst: Path, algo: str, *, kv_cache_quant_algo: 
     from transformers import AutoConfig, AutoModelForCausalLM
 
     src, dst = Path(src), Path(dst)
-    if algo not in ALGOS:
-        raise ValueError(f"algo must be one of {ALGOS}, got {algo!r}")
-    if kv_cache_quant_algo not in KV_ALGOS:
-        raise ValueError(f"kv_cache_quant_algo must be one of {KV_ALGOS}, got {kv_cache_quant_algo!r}")
-    config = json.loads((src / "config.json").read_text())
-    if config.get("quantization_config"):
-        raise ValueError(f"{src} is already quantized ({config['quantization_config'].get('quant_method')})")
-    if dst.exists() and any(dst.iterdir()):
-        raise FileExistsError(f"{dst} exists and is not empty")
+    config = _source_config(src, dst, algo, kv_cache_quant_algo)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(src))
     formats = {m: module_format(algo, m, kind) for m, kind in _module_kinds(model).items()}
     if not any(formats.values()):
         raise ValueError(f"{algo}: no Linear of {src} would be quantized")
-    hf = hf_quant_config(formats, kv_cache_quant_algo)
     dst.mkdir(parents=True, exist_ok=True)
-    (dst / "hf_quant_config.json").write_text(json.dumps(hf, indent=4) + "\n")
-    config["quantization_config"] = quantization_config(hf)
-    (dst / "config.json").write_text(json.dumps(config, indent=4) + "\n")
-    for f in sorted(src.iterdir()):
-        if f.is_file() and f.suffix != ".safetensors" and f.name not in {"config.json", "model.safetensors.index.json"}:
-            shutil.copy2(f, dst / f.name)
+    _write_configs(src, dst, config, hf_quant_config(formats, kv_cache_quant_algo))
     return dst
 
 
