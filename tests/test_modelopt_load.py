@@ -97,7 +97,8 @@ def test_export_equals_its_dequantized_twin(export, make_tiny_model, tmp_path, k
     assert got == want
     assert all(torch.equal(p, twin_params[n]) for n, p in params.items())  # the same weights, bit for bit
     assert kvlog.count(f"ModelOpt {algo} weights (") == 1  # once, at the export's start-up (the twin has none)
-    assert kvlog.count(": 0 layer(s) keep NVFP4 and run the W4A16 GEMM, the rest are dequantized") == 1
+    assert kvlog.count(": 0 layer(s) keep NVFP4 and run the W4A16 GEMM, 0 keep FP8 and run the scaled FP8 GEMM, "
+                       "the rest are dequantized") == 1  # the reference backend on the CPU
     _, src_params = _run(make_tiny_model(arch, seed=1), dtype)  # the weights did change: not the source's
     assert any(not torch.equal(p, src_params[n]) for n, p in params.items())
 
@@ -204,3 +205,89 @@ def test_config_only_export_runs_with_dummy_weights_and_resolves_fp8_kv(make_tin
     out = llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                        use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def _checkpoint(folder: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+@pytest.mark.parametrize("arch,algo", [("llama", "FP8"), ("qwen3_5", "MIXED_PRECISION")])
+def test_fp8_layers_keep_fp8_and_run_the_scaled_gemm(export, monkeypatch, kvlog, arch, algo):
+    """Where the FP8 GEMM runs (``FP8_GEMM_DEVICES``: CUDA; the CPU here, where torch._scaled_mm runs
+    too), every Linear whose checkpoint shards are all FP8 keeps its fp8 weight with one weight scale
+    and one input scale, the largest of its shards' in the checkpoint (fused q | k | v and gate | up
+    requantized to it: tests/test_fp8_linear.py); mixed fused modules (the Qwen3.5 GDN input GEMM)
+    stay dense. The run equals the same engine with each FP8Linear replaced by a dense Linear of
+    its dequantized weight and a pre-hook that fake-quantizes its input alike (float32: tokens
+    exactly; logprobs within 1e-4, the two products round differently in fp32)."""
+    from kvserve.layers import quant_linear
+    from kvserve.layers.quant_linear import FP8Linear, quantize_fp8_static
+
+    monkeypatch.setattr(quant_linear, "FP8_GEMM_DEVICES", ("cuda", "cpu"))
+    folder = export(arch, algo, kv=None)
+    ckpt = _checkpoint(folder)
+    stacked = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+               "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+    llm = LLM(str(folder), dtype="float32", kv_cache_dtype="auto", kv_cache_memory=1 << 22, max_num_seqs=4,
+              max_num_batched_tokens=16)
+    model = llm.llm_engine.runner.model
+    fp8 = {n: m for n, m in model.named_modules() if isinstance(m, FP8Linear)}
+    assert fp8 and not any("in_proj" in n for n in fp8)
+    if algo == "FP8":
+        assert {n.rsplit(".", 1)[-1] for n in fp8} == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+    else:
+        assert {n.rsplit(".", 1)[-1] for n in fp8} == {"qkv_proj", "o_proj", "out_proj"}
+    for name, m in fp8.items():
+        parent, leaf = name.rsplit(".", 1)
+        shards = [f"{parent}.{c}" for c, f in stacked.items() if f == leaf] or [name]
+        assert m.weight.dtype == torch.float8_e4m3fn and m.weight_scale.shape == () and m.input_scale.shape == ()
+        assert float(m.weight_scale) == max(float(ckpt[f"{s}.weight_scale"]) for s in shards)
+        assert float(m.input_scale) == max(float(ckpt[f"{s}.input_scale"]) for s in shards)
+    assert kvlog.count(f"layer(s) keep NVFP4 and run the W4A16 GEMM, {len(fp8)} keep FP8 and run the scaled FP8 GEMM") == 1
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+
+    def run():
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        return [(list(o.outputs[0].token_ids), [d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+                for o in outs]
+
+    got = run()
+    for name, m in fp8.items():  # the same arithmetic spelled out with a dense Linear
+        dense = torch.nn.Linear(m.in_features, m.out_features, bias=False)
+        with torch.no_grad():
+            dense.weight.copy_(m.weight.float() * m.weight_scale)
+        s_in, inv = m.input_scale.clone(), m.inv_input_scale.clone()
+        dense.register_forward_pre_hook(lambda _m, args, s=s_in, i=inv: (quantize_fp8_static(args[0], i).float() * s,))
+        parent, leaf = name.rsplit(".", 1)
+        setattr(model.get_submodule(parent), leaf, dense)
+    want = run()
+    assert [t for t, _ in got] == [t for t, _ in want]
+    assert max(abs(a - b) for (_, la), (_, lb) in zip(got, want) for a, b in zip(la, lb)) <= 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_fp8_gemm_on_cuda_matches_the_cpu_run(export, monkeypatch):
+    """On CUDA the FP8 layers run the scaled FP8 GEMM by default (cuBLASLt through
+    torch._scaled_mm); float32, the same greedy tokens as the CPU run of the same layers, logprobs
+    within 1e-3 (two devices, two summation orders, two attention backends)."""
+    from kvserve.layers import quant_linear
+    from kvserve.layers.quant_linear import FP8Linear
+
+    folder = export("llama", "FP8", kv=None)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    runs = {}
+    for device in ("cuda", "cpu"):
+        if device == "cpu":
+            monkeypatch.setattr(quant_linear, "FP8_GEMM_DEVICES", ("cuda", "cpu"))
+        llm = LLM(str(folder), dtype="float32", kv_cache_memory=1 << 22, max_num_seqs=4, device=device)
+        assert any(isinstance(m, FP8Linear) for m in llm.llm_engine.runner.model.modules())
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        runs[device] = [(list(o.outputs[0].token_ids), [d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+                        for o in outs]
+        del llm
+    assert [t for t, _ in runs["cuda"]] == [t for t, _ in runs["cpu"]]
+    assert max(abs(a - b) for (_, la), (_, lb) in zip(runs["cuda"], runs["cpu"]) for a, b in zip(la, lb)) <= 1e-3

@@ -1,11 +1,22 @@
-"""Linear layers that keep ModelOpt NVFP4 weights packed and run the W4A16 GEMM (Triton backend).
+"""Linear layers that keep ModelOpt weights quantized: NVFP4 packed for the W4A16 GEMM (Triton
+backend), FP8 per tensor for the scaled FP8 GEMM (CUDA).
 
 ``NVFP4Linear`` holds the checkpoint's tensors under their names (``weight`` uint8 [out, in/2],
 ``weight_scale`` float8_e4m3fn [out, in/16]) and ``weight_scale_2`` as one fp32 value per output
 row (each fused shard's own global scale, exactly), so a fused module loads shard by shard like a
 dense one. ``quantize_linears`` swaps them in before loading for every Linear whose checkpoint
-shards are all NVFP4 / W4A16_NVFP4; the others (FP8, unquantized, mixed fused modules) stay dense
-and take the dequantized weights (``loader/quantized_weights.py``)."""
+shards are all NVFP4 / W4A16_NVFP4.
+
+``FP8Linear`` is vLLM's ModelOpt FP8 path: the fp8 ``weight`` [out, in] and, while loading, each
+shard's ``weight_scale`` and static ``input_scale`` once per output row; ``finalize`` then does what
+vLLM's ``process_weights_after_loading`` does: shards with different weight scales requantized to
+the largest (``requantize_with_max_scale``: ``fp16(w) * fp16(s)`` in fp16, then
+``fp8(clamp(x * (1 / s_max)))``), one input scale (the largest). The forward quantizes x with it
+(``fp8(clamp(float(x) * (1 / s_in), +-448))``, vLLM's static ``scaled_fp8_quant``) and runs
+``torch._scaled_mm`` (fp32 accumulation, both scales applied once). Swapped in on the devices of
+``FP8_GEMM_DEVICES`` (CUDA) for every Linear whose shards are all FP8. The others (unquantized,
+mixed fused modules, FP8 off CUDA) stay dense and take the dequantized weights
+(``loader/quantized_weights.py``)."""
 
 from __future__ import annotations
 
@@ -55,6 +66,86 @@ class NVFP4Linear(nn.Module):
                 self.bias.uniform_(-1e-3, 1e-3, generator=gen)
 
 
+FP8_GEMM_DEVICES = ("cuda",)  # where FP8 layers keep fp8 weights (elsewhere: the dequantized reference)
+_E4M3_MAX = 448.0
+
+
+def quantize_fp8_static(x: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor:
+    """vLLM's static per-tensor ``scaled_fp8_quant``: ``e4m3(clamp(float32(x) * inv_scale, +-448))``
+    with ``inv_scale`` the fp32 reciprocal of the scale (a multiplication, as vLLM's kernel)."""
+    return (x.float() * inv_scale).clamp_(-_E4M3_MAX, _E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+class FP8Linear(nn.Module):
+    """``y = x @ W^T (+ bias)`` with W and x in FP8 per tensor (static activation scale)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, device: torch.device | str | None = None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+
+        def param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+            return nn.Parameter(torch.zeros(*shape, dtype=dtype, device=device), requires_grad=False)
+
+        self.weight = param(out_features, in_features, dtype=torch.float8_e4m3fn)
+        self.weight_scale = param(out_features, dtype=torch.float32)  # per row while loading; one after
+        self.input_scale = param(out_features, dtype=torch.float32)
+        self.bias = nn.Parameter(torch.zeros(out_features, device=device)) if bias else None
+        self.register_buffer("inv_input_scale", torch.ones((), device=device), persistent=False)
+        self.finalized = False
+
+    def finalize(self) -> None:
+        """After loading: one weight scale (shards requantized to the largest, as vLLM) and one
+        input scale (the largest)."""
+        sizes = list(getattr(self, "shard_sizes", [self.out_features]))
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        scales = [self.weight_scale[s] for s in starts]
+        s_max = torch.stack(scales).max()
+        with torch.no_grad():
+            if any(bool(s != s_max) for s in scales):
+                inv = _reciprocal(s_max)
+                for start, size, s in zip(starts, sizes, scales):
+                    rows = self.weight[start: start + size]
+                    dq = rows.to(torch.float16) * s.to(torch.float16)  # vLLM's per_tensor_dequantize, in fp16
+                    rows.copy_(quantize_fp8_static(dq, inv))
+            self.weight_scale = nn.Parameter(s_max.reshape(()), requires_grad=False)
+            self.input_scale = nn.Parameter(self.input_scale.max().reshape(()), requires_grad=False)
+            self.inv_input_scale = _reciprocal(self.input_scale)
+        self.finalized = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.finalized, "FP8Linear.finalize() runs after loading"
+        x2 = x.reshape(-1, self.in_features)
+        y = torch._scaled_mm(quantize_fp8_static(x2, self.inv_input_scale), self.weight.t(),
+                             scale_a=self.input_scale, scale_b=self.weight_scale, out_dtype=x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def init_dummy(self, gen: torch.Generator) -> None:
+        """``--load-format dummy``: random fp8 codes within +-448 at scale 1e-3 / 448 (weights within
+        ~1e-3, vLLM's dummy range), input scale 1 / 448 (activations up to 1)."""
+        with torch.no_grad():
+            w = (torch.rand(self.weight.shape, generator=gen, device=gen.device) * 2 - 1) * _E4M3_MAX
+            self.weight.copy_(w.to(torch.float8_e4m3fn))
+            self.weight_scale.fill_(1e-3 / _E4M3_MAX)
+            self.input_scale.fill_(1.0 / _E4M3_MAX)
+            if self.bias is not None:
+                self.bias.uniform_(-1e-3, 1e-3, generator=gen)
+        self.finalize()
+
+
+def _reciprocal(s: torch.Tensor) -> torch.Tensor:
+    """The correctly rounded fp32 ``1 / s`` (an IEEE division on the CPU), on ``s``'s device."""
+    return (torch.ones((), dtype=torch.float32) / s.detach().float().cpu()).to(s.device)
+
+
+def finalize_quantized_model(model: nn.Module) -> None:
+    """After loading: every FP8Linear's scales settled (``FP8Linear.finalize``)."""
+    for m in model.modules():
+        if isinstance(m, FP8Linear) and not m.finalized:
+            m.finalize()
+
+
 def _checkpoint_shards(name: str, stacked: dict[str, tuple[str, int]]) -> list[str]:
     """A model Linear's checkpoint module names: its shards in order when fused, else itself."""
     parent, _, leaf = name.rpartition(".")
@@ -67,25 +158,31 @@ def linear_schemes(model: nn.Module, qc: ModelOptConfig, stacked: dict[str, tupl
     checkpoint stores it: the shards' algorithms joined by ``+`` (``none`` = unquantized)."""
     kinds: dict[str, set[str]] = {}
     for name, module in model.named_modules():
-        if isinstance(module, (nn.Linear, NVFP4Linear)):
+        if isinstance(module, (nn.Linear, NVFP4Linear, FP8Linear)):
             algos = {(q.algo if q else "none") for q in (qc.layer_quant(s) for s in _checkpoint_shards(name, stacked))}
             kind = ".".join(p for p in name.split(".") if not p.isdigit() and p not in ("model", "layers"))
             kinds.setdefault(kind, set()).update(algos)
     return {k: "+".join(sorted(v)) for k, v in sorted(kinds.items())}
 
 
-def quantize_linears(model: nn.Module, qc: ModelOptConfig, stacked: dict[str, tuple[str, int]]) -> set[str]:
-    """Swap every Linear whose checkpoint shards are all NVFP4 for an ``NVFP4Linear`` (on the
-    Linear's device); returns the checkpoint module names whose tensors load packed."""
+def quantize_linears(model: nn.Module, qc: ModelOptConfig, stacked: dict[str, tuple[str, int]], nvfp4: bool = True,
+                     fp8: bool = False) -> set[str]:
+    """Swap every Linear whose checkpoint shards are all NVFP4 for an ``NVFP4Linear`` (``nvfp4``) and
+    all FP8 for an ``FP8Linear`` (``fp8``), on the Linear's device; returns the checkpoint module
+    names whose tensors load as they are."""
     kept: set[str] = set()
     for name, module in list(model.named_modules()):
         if type(module) is not nn.Linear:
             continue
         shards = _checkpoint_shards(name, stacked)
-        schemes = [qc.layer_quant(s) for s in shards]
-        if not all(q is not None and q.algo in ("NVFP4", "W4A16_NVFP4") for q in schemes):
+        algos = {q.algo if q is not None else None for q in (qc.layer_quant(s) for s in shards)}
+        if nvfp4 and algos <= {"NVFP4", "W4A16_NVFP4"}:
+            cls: type[nn.Module] = NVFP4Linear
+        elif fp8 and algos == {"FP8"}:
+            cls = FP8Linear
+        else:
             continue
-        new = NVFP4Linear(module.in_features, module.out_features, module.bias is not None, module.weight.device)
+        new = cls(module.in_features, module.out_features, module.bias is not None, module.weight.device)
         if hasattr(module, "shard_sizes"):
             new.shard_sizes = module.shard_sizes
         parent, _, leaf = name.rpartition(".")
@@ -97,15 +194,16 @@ def quantize_linears(model: nn.Module, qc: ModelOptConfig, stacked: dict[str, tu
 def prepare_quantized_model(
     model: nn.Module, qc: ModelOptConfig, stacked: dict[str, tuple[str, int]], use_kernel: bool, dtype: torch.dtype
 ) -> set[str]:
-    """Before loading: the NVFP4 Linears swapped in when ``use_kernel`` (Triton backend); logs once
-    how many run the W4A16 GEMM and how each kind of Linear is stored. Returns the checkpoint
-    module names that load packed (``loader/quantized_weights.py``)."""
-    kept = quantize_linears(model, qc, stacked) if use_kernel else set()
+    """Before loading: the NVFP4 Linears swapped in when ``use_kernel`` (Triton backend), the FP8 ones
+    on ``FP8_GEMM_DEVICES``; logs once how many run each GEMM and how each kind of Linear is stored.
+    Returns the checkpoint module names that load as stored (``loader/quantized_weights.py``)."""
+    device = next(model.parameters()).device
+    kept = quantize_linears(model, qc, stacked, nvfp4=use_kernel, fp8=device.type in FP8_GEMM_DEVICES)
     kinds = linear_schemes(model, qc, stacked)
     logger.info(
-        "ModelOpt %s weights (%s): %d layer(s) keep NVFP4 and run the W4A16 GEMM, the rest are dequantized "
-        "to %s while loading; per layer kind: %s", qc.quant_algo, qc.source,
-        sum(isinstance(m, NVFP4Linear) for m in model.modules()), str(dtype).replace("torch.", ""),
-        ", ".join(f"{k} {v}" for k, v in kinds.items()),
+        "ModelOpt %s weights (%s): %d layer(s) keep NVFP4 and run the W4A16 GEMM, %d keep FP8 and run the "
+        "scaled FP8 GEMM, the rest are dequantized to %s while loading; per layer kind: %s", qc.quant_algo, qc.source,
+        sum(isinstance(m, NVFP4Linear) for m in model.modules()), sum(isinstance(m, FP8Linear) for m in model.modules()),
+        str(dtype).replace("torch.", ""), ", ".join(f"{k} {v}" for k, v in kinds.items()),
     )
     return kept

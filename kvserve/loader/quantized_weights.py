@@ -1,5 +1,5 @@
 """ModelOpt quantized checkpoint tensors -> dense weights, dequantized once while loading (or kept
-packed for the NVFP4 layers that run the W4A16 GEMM).
+as stored for the NVFP4 layers that run the W4A16 GEMM and the FP8 ones that run the FP8 GEMM).
 
 The reference path of issue 15 (CPU, and CUDA until the W4A16 / FP8 GEMMs exist): each quantized
 Linear's tensors (``<m>.weight`` packed NVFP4 uint8 or float8_e4m3fn, ``<m>.weight_scale``,
@@ -49,16 +49,25 @@ def _dequantize(prefix: str, fmt: str, parts: dict[str, torch.Tensor]) -> torch.
         raise WeightLoadError(f"ModelOpt {fmt} tensors of {prefix} do not match: {e}") from None
 
 
-def _packed(prefix: str, parts: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
-    """A module kept in NVFP4 (``layers/quant_linear.py``): its tensors as they are, the global scale
-    once per output row."""
+def _needs(fmt: str, kept: bool) -> tuple[str, ...]:
+    """The scales a module's weight needs: an FP8 module kept for the FP8 GEMM also its input scale."""
+    return (*_NEEDS[fmt], "input_scale") if kept and fmt == "FP8" else _NEEDS[fmt]
+
+
+def _kept(prefix: str, fmt: str, parts: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """A module kept quantized (``layers/quant_linear.py``): its tensors as they are, the per-tensor
+    scales (NVFP4 ``weight_scale_2``; FP8 ``weight_scale`` and ``input_scale``) once per output row."""
     rows = parts["weight"].shape[0]
-    s2 = parts["weight_scale_2"]
-    if s2.dtype != torch.float32 or s2.numel() != 1:
-        raise WeightLoadError(f"{prefix}.weight_scale_2 must be one float32 value, got {tuple(s2.shape)} {s2.dtype}")
+    per_row = ("weight_scale_2",) if fmt == "NVFP4" else ("weight_scale", "input_scale")
+    for part in per_row:
+        s = parts[part]
+        if s.dtype != torch.float32 or s.numel() != 1:
+            raise WeightLoadError(f"{prefix}.{part} must be one float32 value, got {tuple(s.shape)} {s.dtype}")
     yield f"{prefix}.weight", parts["weight"]
-    yield f"{prefix}.weight_scale", parts["weight_scale"]
-    yield f"{prefix}.weight_scale_2", s2.reshape(1).expand(rows).contiguous()
+    if fmt == "NVFP4":  # (a W4A4 export's input_scale is dropped: weight-only on Hopper)
+        yield f"{prefix}.weight_scale", parts["weight_scale"]
+    for part in per_row:
+        yield f"{prefix}.{part}", parts[part].reshape(1).expand(rows).contiguous()
 
 
 def dequantized_weights(
@@ -84,8 +93,8 @@ def dequantized_weights(
                 )
             yield name, tensor
             continue
-        if part == "input_scale":
-            continue  # static activation scale: the weight-only / dequantized paths do not use it
+        if part == "input_scale" and prefix not in keep:
+            continue  # static activation scale: only the FP8 GEMM uses it (the NVFP4 W4A16 path drops it)
         parts = pending.setdefault(prefix, {})
         parts[part] = tensor
         weight = parts.get("weight")
@@ -98,9 +107,9 @@ def dequantized_weights(
                 f"{prefix}.weight is {weight.dtype} on disk ({fmt}), but the checkpoint's quantization config "
                 f"({qc.source}) makes {prefix} {want or 'unquantized'}"
             )
-        if all(p in parts for p in _NEEDS[fmt]):
+        if all(p in parts for p in _needs(fmt, prefix in keep)):
             if prefix in keep:
-                yield from _packed(prefix, parts)
+                yield from _kept(prefix, fmt, parts)
             else:
                 yield f"{prefix}.weight", _dequantize(prefix, fmt, parts)
             del pending[prefix]
@@ -108,6 +117,6 @@ def dequantized_weights(
         problems = []
         for prefix, parts in sorted(pending.items()):
             fmt = _FORMAT_OF_DTYPE.get(parts["weight"].dtype) if "weight" in parts else None
-            need = ("weight", *_NEEDS[fmt]) if fmt else ("weight",)
+            need = ("weight", *_needs(fmt, prefix in keep)) if fmt else ("weight",)
             problems.append(f"{prefix}: missing {[f'{prefix}.{p}' for p in need if p not in parts]}")
         raise WeightLoadError("Incomplete ModelOpt quantized tensors: " + "; ".join(problems[:10]))

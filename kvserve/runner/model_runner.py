@@ -103,6 +103,10 @@ class ModelRunner:
 
                 weights = dequantized_weights(weights, qc, kept)
             self.model.load_weights(scales.filter(weights))
+            if quantized:
+                from kvserve.layers.quant_linear import finalize_quantized_model
+
+                finalize_quantized_model(self.model)
         scales.finish(self.kv_dtype)
         self.model.eval()
         logger.info(
