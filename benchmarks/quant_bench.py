@@ -60,7 +60,9 @@ def sweep_tiles(m: int) -> list:
                 for w in ((4, 8) if bn == 128 else (4,)) for sk in (1, 2, 4)]
     if m <= 64:
         return [W4A16Tiles(64, bn, bk, w, 3) for bn in (64, 128) for bk in (64, 128) for w in (4, 8)]
-    return [W4A16Tiles(128, bn, bk, 8, 3) for bn in (128, 256) for bk in (64, 128)]
+    # 256 rows a program at batch 256: each weight tile decoded once for all of them
+    return [W4A16Tiles(bm, bn, bk, 8, 3) for bm in (128, 256) for bn in (64, 128, 256) for bk in (64, 128)
+            if bm * bn <= 256 * 128]
 
 
 def bench(shapes: dict, batches: list[int], sweep: int, budget_s: float, doc: dict, save) -> None:
