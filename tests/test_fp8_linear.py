@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.layers.quant_linear import FP8Linear, quantize_fp8_static
-from kvserve.quant.nvfp4 import quantize_fp8_per_tensor
+from kvserve.layers.quant_linear import FP8Linear
+from kvserve.quant.nvfp4 import quantize_fp8_per_tensor, quantize_fp8_static
 
 E4M3 = torch.float8_e4m3fn
 UNIT = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}

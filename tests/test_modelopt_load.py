@@ -224,7 +224,8 @@ def test_fp8_layers_keep_fp8_and_run_the_scaled_gemm(export, monkeypatch, kvlog,
     its dequantized weight and a pre-hook that fake-quantizes its input alike (float32: tokens
     exactly; logprobs within 1e-4, the two products round differently in fp32)."""
     from kvserve.layers import quant_linear
-    from kvserve.layers.quant_linear import FP8Linear, quantize_fp8_static
+    from kvserve.layers.quant_linear import FP8Linear
+    from kvserve.quant.nvfp4 import quantize_fp8_static
 
     monkeypatch.setattr(quant_linear, "FP8_GEMM_DEVICES", ("cuda", "cpu"))
     folder = export(arch, algo, kv=None)

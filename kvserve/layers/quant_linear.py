@@ -25,9 +25,15 @@ from torch import nn
 
 from kvserve.logger import init_logger
 from kvserve.quant.modelopt import ModelOptConfig
+from kvserve.quant.nvfp4 import E4M3_MAX, quantize_fp8_static
 from kvserve.quant.nvfp4 import NVFP4_GROUP_SIZE as GROUP
 
 logger = init_logger(__name__)
+
+
+def _frozen(device: torch.device | str | None, dtype: torch.dtype, *shape: int) -> nn.Parameter:
+    """A zero-filled parameter the checkpoint fills (no gradient)."""
+    return nn.Parameter(torch.zeros(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
 class NVFP4Linear(nn.Module):
@@ -39,12 +45,9 @@ class NVFP4Linear(nn.Module):
             raise ValueError(f"NVFP4 in_features {in_features} is not a multiple of {GROUP}")
         self.in_features, self.out_features = in_features, out_features
 
-        def param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
-            return nn.Parameter(torch.zeros(*shape, dtype=dtype, device=device), requires_grad=False)
-
-        self.weight = param(out_features, in_features // 2, dtype=torch.uint8)
-        self.weight_scale = param(out_features, in_features // GROUP, dtype=torch.float8_e4m3fn)
-        self.weight_scale_2 = param(out_features, dtype=torch.float32)
+        self.weight = _frozen(device, torch.uint8, out_features, in_features // 2)
+        self.weight_scale = _frozen(device, torch.float8_e4m3fn, out_features, in_features // GROUP)
+        self.weight_scale_2 = _frozen(device, torch.float32, out_features)
         self.bias = nn.Parameter(torch.zeros(out_features, device=device)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -67,13 +70,6 @@ class NVFP4Linear(nn.Module):
 
 
 FP8_GEMM_DEVICES = ("cuda",)  # where FP8 layers keep fp8 weights (elsewhere: the dequantized reference)
-_E4M3_MAX = 448.0
-
-
-def quantize_fp8_static(x: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor:
-    """vLLM's static per-tensor ``scaled_fp8_quant``: ``e4m3(clamp(float32(x) * inv_scale, +-448))``
-    with ``inv_scale`` the fp32 reciprocal of the scale (a multiplication, as vLLM's kernel)."""
-    return (x.float() * inv_scale).clamp_(-_E4M3_MAX, _E4M3_MAX).to(torch.float8_e4m3fn)
 
 
 class FP8Linear(nn.Module):
@@ -83,12 +79,9 @@ class FP8Linear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
 
-        def param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
-            return nn.Parameter(torch.zeros(*shape, dtype=dtype, device=device), requires_grad=False)
-
-        self.weight = param(out_features, in_features, dtype=torch.float8_e4m3fn)
-        self.weight_scale = param(out_features, dtype=torch.float32)  # per row while loading; one after
-        self.input_scale = param(out_features, dtype=torch.float32)
+        self.weight = _frozen(device, torch.float8_e4m3fn, out_features, in_features)
+        self.weight_scale = _frozen(device, torch.float32, out_features)  # per row while loading; one after
+        self.input_scale = _frozen(device, torch.float32, out_features)
         self.bias = nn.Parameter(torch.zeros(out_features, device=device)) if bias else None
         self.register_buffer("inv_input_scale", torch.ones((), device=device), persistent=False)
         self.finalized = False
@@ -125,10 +118,10 @@ class FP8Linear(nn.Module):
         """``--load-format dummy``: random fp8 codes within +-448 at scale 1e-3 / 448 (weights within
         ~1e-3, vLLM's dummy range), input scale 1 / 448 (activations up to 1)."""
         with torch.no_grad():
-            w = (torch.rand(self.weight.shape, generator=gen, device=gen.device) * 2 - 1) * _E4M3_MAX
+            w = (torch.rand(self.weight.shape, generator=gen, device=gen.device) * 2 - 1) * E4M3_MAX
             self.weight.copy_(w.to(torch.float8_e4m3fn))
-            self.weight_scale.fill_(1e-3 / _E4M3_MAX)
-            self.input_scale.fill_(1.0 / _E4M3_MAX)
+            self.weight_scale.fill_(1e-3 / E4M3_MAX)
+            self.input_scale.fill_(1.0 / E4M3_MAX)
             if self.bias is not None:
                 self.bias.uniform_(-1e-3, 1e-3, generator=gen)
         self.finalize()

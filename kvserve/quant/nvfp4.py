@@ -1,4 +1,5 @@
-"""NVFP4 and FP8-per-tensor weight codecs of NVIDIA ModelOpt checkpoints (torch, any device).
+"""NVFP4 and FP8-per-tensor weight codecs of NVIDIA ModelOpt checkpoints, and vLLM's static FP8
+activation quantisation of those checkpoints' FP8 layers (torch, any device).
 
 NVFP4 (``NVFP4QTensor`` in ModelOpt's ``modelopt/torch/quantization/qtensor/nvfp4_tensor.py``):
 
@@ -220,6 +221,13 @@ def quantize_fp8_per_tensor(w: torch.Tensor, scale: torch.Tensor | None = None) 
     # value (measured on the H200: 1,879-11,670 of 262,144 fp8 bytes differ between the two)
     q = (w / scale.to(w.dtype)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return q, scale.clone()
+
+
+def quantize_fp8_static(x: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor:
+    """vLLM's static per-tensor activation quantisation (``scaled_fp8_quant`` with a scale):
+    ``e4m3(clamp(float32(x) * inv_scale, +-448))``, ``inv_scale`` the fp32 reciprocal of the scale
+    (a multiplication, as vLLM's kernel; not the division of the weight quantiser above)."""
+    return (x.float() * inv_scale).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
 def dequantize_fp8_per_tensor(
