@@ -185,13 +185,19 @@ def test_nvfp4_layers_run_the_w4a16_gemm_on_the_triton_backend(export, tmp_path,
 
 
 @skip_without_triton_device()
-def test_config_only_export_runs_with_dummy_weights_and_resolves_fp8_kv(make_tiny_model, tmp_path, kvlog):
+@pytest.mark.parametrize("fp8_gemm", [False, True], ids=["fp8-dequantized", "fp8-gemm"])
+def test_config_only_export_runs_with_dummy_weights_and_resolves_fp8_kv(make_tiny_model, tmp_path, kvlog,
+                                                                        monkeypatch, fp8_gemm):
     """The benchmarks' path for a model too large to export here: the configs of a MIXED_PRECISION
     export without weights, `--load-format dummy`: the NVFP4 layers hold random packed codes (run by
     the W4A16 GEMM on the triton backend), `--kv-cache-dtype auto` resolves to fp8_e4m3 from
     `kv_cache_quant_algo: FP8`, and the model generates."""
     from kvserve.tools.modelopt_export import export_config_only
 
+    from kvserve.layers import quant_linear
+
+    if fp8_gemm:  # the FP8 layers as on CUDA (torch._scaled_mm runs on the CPU too): dummy fp8 codes, finalized
+        monkeypatch.setattr(quant_linear, "FP8_GEMM_DEVICES", ("cuda", "cpu"))
     folder = export_config_only(make_tiny_model("qwen3_5", seed=1), tmp_path / "only", "MIXED_PRECISION")
     assert not list(folder.glob("*.safetensors"))
     llm = LLM(str(folder), load_format="dummy", dtype="float32", kv_cache_dtype="auto", kv_cache_memory=1 << 22,
@@ -202,6 +208,9 @@ def test_config_only_export_runs_with_dummy_weights_and_resolves_fp8_kv(make_tin
     packed = [n for n, p in params.items() if p.dtype == torch.uint8]
     assert packed and all(".mlp." in n or n.startswith("lm_head") for n in packed)
     assert all(int(params[n].max()) > 0 for n in packed)  # random codes, not zeros
+    fp8 = [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, quant_linear.FP8Linear)]
+    assert bool(fp8) == fp8_gemm and all(m.finalized and m.weight_scale.shape == () for m in fp8)
+    assert all(bool(m.weight.float().abs().max() > 0) for m in fp8)
     out = llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                        use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4

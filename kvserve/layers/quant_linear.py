@@ -116,7 +116,7 @@ class FP8Linear(nn.Module):
 
     def init_dummy(self, gen: torch.Generator) -> None:
         """``--load-format dummy``: random fp8 codes within +-448 at scale 1e-3 / 448 (weights within
-        ~1e-3, vLLM's dummy range), input scale 1 / 448 (activations up to 1)."""
+        ~1e-3, vLLM's dummy range), input scale 1 / 448 (activations up to 1); ``finalize`` follows."""
         with torch.no_grad():
             w = (torch.rand(self.weight.shape, generator=gen, device=gen.device) * 2 - 1) * E4M3_MAX
             self.weight.copy_(w.to(torch.float8_e4m3fn))
@@ -124,7 +124,6 @@ class FP8Linear(nn.Module):
             self.input_scale.fill_(1.0 / E4M3_MAX)
             if self.bias is not None:
                 self.bias.uniform_(-1e-3, 1e-3, generator=gen)
-        self.finalize()
 
 
 def _reciprocal(s: torch.Tensor) -> torch.Tensor:

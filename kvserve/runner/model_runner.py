@@ -103,10 +103,10 @@ class ModelRunner:
 
                 weights = dequantized_weights(weights, qc, kept)
             self.model.load_weights(scales.filter(weights))
-            if quantized:
-                from kvserve.layers.quant_linear import finalize_quantized_model
+        if quantized:
+            from kvserve.layers.quant_linear import finalize_quantized_model
 
-                finalize_quantized_model(self.model)
+            finalize_quantized_model(self.model)  # after loading or the dummy fill
         scales.finish(self.kv_dtype)
         self.model.eval()
         logger.info(
