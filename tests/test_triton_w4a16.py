@@ -1,85 +1,230 @@
-"""The W4A16 NVFP4 GEMM (kernels/triton_w4a16.py) against float64 on fresh random weights quantized by
-the reference codec (quant/nvfp4.py): several shapes (K not a multiple of the K tile, N and M not of
-theirs), bf16 / fp16 / fp32 activations, forced tile shapes, outputs poisoned with NaN first. CPU:
-the Triton interpreter; the GPU adds the 27B's MLP shapes.
+"""The W4A16 NVFP4 GEMM (kernels/triton_w4a16.py) on fresh random weights quantized by the reference
+codec (quant/nvfp4.py): the kernel layout and its exactness, the inline PTX emulated instruction by
+instruction against the Triton twin of the decode, and the GEMM against float64 (several shapes, K
+not a multiple of 64, N and M not of their tiles, bf16 / fp16 / fp32, forced tiles and stream-K
+splits, outputs poisoned with NaN first). CPU: the Triton interpreter; the GPU adds the 27B's MLP
+shapes and runs the PTX.
 
-The bound: the kernel computes x @ dequantize_nvfp4(W, dtype)^T; against that product in float64,
-an fp32-accumulated dot of K terms rounded once to the output dtype is off by at most
-u_out |y| + K u_fp32 (|x| @ |W|^T) (u the unit roundoff). torch's own matmul is checked against the
-same bound, so it is not tighter than the reference's spread."""
+The bounds: the kernel multiplies by the weights ``e2m1 * s_b * s2`` exactly (no rounding to x's
+dtype), so against that product in float64 an fp32-accumulated dot of K terms, scaled once and
+rounded once to the output dtype, is off by at most ``u_out |y| + (K + 1) u_fp32 (|x| @ |W|^T)``
+(u the unit roundoff). Against ``x @ dequantize_nvfp4(W, dtype)^T`` (every weight rounded to the
+dtype first, the reference backend) the weights' own rounding adds ``u_dtype (|x| @ |W|^T)``. torch's
+matmul of the dequantized weights is checked against the same bounds, so they are not tighter than
+the reference's own spread."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from kvserve.quant.nvfp4 import dequantize_nvfp4, quantize_nvfp4
+from kvserve.quant.nvfp4 import dequantize_nvfp4, e2m1_table, quantize_nvfp4, unpack_e2m1
 from triton_support import kernel_device, skip_without_triton_device
 
-pytestmark = skip_without_triton_device()
 DEV = kernel_device()
-SHAPES = [(1, 48, 64), (5, 96, 160), (33, 64, 96), (70, 130, 48)]  # (M, N, K)
+SHAPES = [(1, 48, 64), (5, 96, 160), (33, 64, 96), (70, 130, 48), (17, 40, 256)]  # (M, N, K)
 if DEV == "cuda":
     SHAPES += [(1, 17408 * 2, 5120), (16, 5120, 17408), (256, 17408, 5120)]
 UNIT = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
 
 
-def _bound_ok(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> bool:
-    want = x.double() @ w.double().T
-    slack = UNIT[y.dtype] * want.abs() + x.shape[-1] * 2.0**-24 * (x.double().abs() @ w.double().abs().T)
+def _exact(packed: torch.Tensor, block_scale: torch.Tensor, s2: torch.Tensor) -> torch.Tensor:
+    """float64 weights e2m1 * s_b * s2, no rounding (s2 one value or one per row)."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    v = e2m1_table()[unpack_e2m1(packed.cpu()).long()].double().reshape(n, k // 16, 16)
+    return (v * block_scale.cpu().double()[..., None] * s2.cpu().double().reshape(-1, 1, 1)).reshape(n, k)
+
+
+def _bound_ok(y: torch.Tensor, x: torch.Tensor, w64: torch.Tensor, weight_unit: float = 0.0) -> bool:
+    want = x.double() @ w64.T
+    mag = x.double().abs() @ w64.abs().T
+    slack = UNIT[y.dtype] * want.abs() + ((x.shape[-1] + 1) * 2.0**-24 + weight_unit) * mag
     return bool(((y.double() - want).abs() <= slack * 1.0001 + 1e-30).all())
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_w4a16_matmul_equals_dequantize_then_matmul(dtype, shape):
-    from kvserve.kernels.triton_w4a16 import w4a16_matmul
-
-    m, n, k = shape
-    gen = torch.Generator().manual_seed(m * 7919 + n * 31 + k)
+def _quantized(n: int, k: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=gen) * 0.05
     w[0, :16] *= 40  # one block far from the rest: its own scale
-    packed, block_scale, s2 = quantize_nvfp4(w)
+    return quantize_nvfp4(w), gen
+
+
+def _decode_layout(codes: torch.Tensor, scales: torch.Tensor, row_scale: torch.Tensor) -> torch.Tensor:
+    """The kernel layout read back in torch (float64 [N, 64 C]): what the module docstring says."""
+    from kvserve.kernels.triton_w4a16 import MAG_AT, SIGN_AT
+
+    n = codes.shape[0]
+    h = codes.cpu().to(torch.int32).reshape(n, -1, 16) & 0xFFFF  # [N, C, i]
+    b = scales.cpu().to(torch.int32).reshape(n, -1, 4)  # [N, C, j]
+    s = (2.0 ** ((b >> 3) - 15).double()) * (1 + (b & 7).double() / 8) / 128  # S0E5M3 -> s_b
+    out = torch.empty(n, h.shape[1], 4, 16, dtype=torch.float64)
+    for j in range(4):
+        code = ((h >> MAG_AT[j]) & 7) | (((h >> SIGN_AT[j]) & 1) << 3)
+        out[:, :, j] = e2m1_table()[code.long()].double() * s[:, :, j, None]
+    return out.reshape(n, -1) * row_scale.cpu().double()[:, None] / 128
+
+
+def test_pack_w4a16_reads_back_the_exact_weights():
+    """Every code and every positive e4m3 block scale survives the repack exactly; a negative block
+    scale moves into its codes' signs and a zero one zeroes its codes; K pads to 64 with zeros."""
+    from kvserve.kernels.triton_w4a16 import pack_w4a16
+
+    n, k = 126, 80
+    codes = torch.arange(n * k).remainder(16).to(torch.uint8).reshape(n, k)
+    packed = (codes[:, 1::2] << 4) | codes[:, 0::2]
+    block = torch.arange(1, 127, dtype=torch.uint8).repeat_interleave(k // 16).reshape(n, k // 16)
+    block = block.view(torch.float8_e4m3fn).clone()  # every positive finite e4m3 value, 2^-9 .. 448
+    block[5, 1] = (-block[5, 1].float()).to(torch.float8_e4m3fn)
+    block[6, 2] = 0.0
+    rows = torch.linspace(0.5, 3.0, n)
+    wt = pack_w4a16(packed, block, rows)
+    assert wt.codes.dtype == torch.int16 and tuple(wt.codes.shape) == (n, 32) and wt.in_features == k
+    assert wt.scales.dtype == torch.uint8 and tuple(wt.scales.shape) == (n, 8)
+    got = _decode_layout(wt.codes, wt.scales, wt.row_scale)
+    want = _exact(packed, block, rows)
+    assert torch.equal(got[:, :k], want) and not bool(got[:, k:].any())
+    assert bool(want[5, 16:32].abs().sum() > 0) and not bool(want[6, 32:48].any())
+    with pytest.raises(ValueError, match=r"weight_scale \(126, 5\) holds NaN block scales"):
+        pack_w4a16(packed, torch.full_like(block, float("nan")), rows)
+    with pytest.raises(ValueError, match=r"weight_scale_2 of 3 torch.float32 values, expected float32, 1 or N = 126"):
+        pack_w4a16(packed, block, rows[:3])
+    with pytest.raises(ValueError, match=r"weight_scale \(126, 4\) torch.float8_e4m3fn, expected float8_e4m3fn \(126, 5\)"):
+        pack_w4a16(packed, block[:, :4].contiguous(), rows)
+
+
+def _run_ptx(text: str, regs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Emulate the decode PTX on uint32 arrays: and / or / shl / shr / prmt / mad.lo and the rounded
+    bf16x2 / f16x2 multiplies (the product formed exactly in fp32, then rounded to nearest even)."""
+    regs = dict(regs)
+
+    def val(a: str) -> np.ndarray:
+        return regs[a] if a in regs else np.uint32(int(a, 0))
+
+    def halves(r: np.ndarray, dt: torch.dtype) -> torch.Tensor:
+        lo, hi = (r & 0xFFFF).astype(np.int32), (r >> 16).astype(np.int32)
+        bits = torch.from_numpy(np.stack([lo, hi]).astype(np.int16))
+        return bits.view(dt).float()
+
+    for line in text.splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line in "{}" or line.startswith(".reg"):
+            continue
+        op, rest = line.split(None, 1)
+        dst, *src = [a.strip() for a in rest.split(",")]
+        a = [val(s) for s in src]
+        if op == "and.b32":
+            r = a[0] & a[1]
+        elif op == "or.b32":
+            r = a[0] | a[1]
+        elif op == "shl.b32":
+            r = (a[0].astype(np.uint64) << np.uint64(a[1])) & 0xFFFFFFFF
+        elif op == "shr.b32":
+            r = a[0] >> np.uint32(a[1])
+        elif op == "mad.lo.u32":
+            r = (a[0].astype(np.uint64) * np.uint64(a[1]) + np.uint64(a[2])) & 0xFFFFFFFF
+        elif op == "prmt.b32":
+            src8 = [(a[0] >> (8 * i)) & 0xFF for i in range(4)] + [(np.broadcast_to(a[1], a[0].shape) >> (8 * i)) & 0xFF
+                                                                 for i in range(4)]
+            r = np.zeros_like(a[0])
+            for i in range(4):
+                sel = (int(a[2]) >> (4 * i)) & 0xF
+                byte = src8[sel & 7]
+                if sel & 8:
+                    byte = np.where(byte & 0x80, 0xFF, 0)
+                r = r | (byte.astype(np.uint32) << (8 * i))
+        elif op in ("mul.rn.bf16x2", "mul.rn.f16x2"):
+            dt = torch.bfloat16 if "bf16" in op else torch.float16
+            prod = (halves(a[0], dt) * halves(a[1], dt)).to(dt).view(torch.int16).numpy().astype(np.int32) & 0xFFFF
+            r = prod[0].astype(np.uint32) | (prod[1].astype(np.uint32) << 16)
+        else:
+            raise AssertionError(f"unexpected PTX {op}")
+        regs[dst] = np.asarray(r, dtype=np.uint32)
+    return regs
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decode_ptx_matches_the_twin_bit_for_bit(dtype):
+    """The inline PTX, emulated on every 16-bit code word (two words a register) and random scales of
+    the whole e4m3 range: each output half equals e2m1 * s_b * 2^-7 in the dtype (exact), which is
+    what ``_decode_twin`` computes in the interpreter."""
+    from kvserve.kernels import triton_w4a16 as k
+    from kvserve.kernels.triton_w4a16 import MAG_AT, SIGN_AT
+
+    words = np.arange(1 << 16, dtype=np.uint32)
+    other = (words * 40503 + 12345) & 0xFFFF
+    gen = np.random.default_rng(3)
+    e4m3 = torch.arange(1, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    s0e5m3 = (((e4m3 * 128).half().view(torch.int16).int() >> 7) & 0xFF).numpy().astype(np.uint32)
+    pick = gen.integers(0, len(s0e5m3), size=(4, words.size))
+    packed_scales = sum(s0e5m3[pick[j]] << (8 * j) for j in range(4)).astype(np.uint32)
+    bf16 = dtype == torch.bfloat16
+    pairs = _run_ptx((k._SCALES_BF16 if bf16 else k._SCALES_FP16).value, {"$4": packed_scales})
+    regs = {"$4": words | (other << 16)}
+    for j in range(4):
+        regs[f"${5 + 2 * j}"] = regs[f"${6 + 2 * j}"] = pairs[f"${j}"]
+    out = _run_ptx((k._DECODE_BF16 if bf16 else k._DECODE_FP16).value, regs)
+    lut = e2m1_table().double()
+    for j in range(4):
+        s_b = torch.from_numpy(e4m3.numpy()[pick[j]]).double()
+        for half, h in ((0, words), (1, other)):
+            h = torch.from_numpy(h.astype(np.int64))
+            code = ((h >> MAG_AT[j]) & 7) | (((h >> SIGN_AT[j]) & 1) << 3)
+            want = (lut[code] * s_b / 128).to(dtype).view(torch.int16).numpy().astype(np.int32) & 0xFFFF
+            got = ((out[f"${j}"] >> (16 * half)) & 0xFFFF).astype(np.int32)
+            assert np.array_equal(got, want), (j, half, int((got != want).sum()))
+
+
+@skip_without_triton_device()
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_w4a16_matmul_against_float64(dtype, shape):
+    from kvserve.kernels.triton_w4a16 import pack_w4a16, w4a16_matmul
+
+    m, n, k = shape
+    (packed, block_scale, s2), gen = _quantized(n, k, m * 7919 + n * 31 + k)
     x = (torch.randn(m, k, generator=gen) * 2).to(dtype)
-    wd = dequantize_nvfp4(packed, block_scale, s2, dtype)  # what the kernel multiplies by
+    wt = pack_w4a16(packed.to(DEV), block_scale.to(DEV), s2.to(DEV))
     out = torch.full((m, n), float("nan"), dtype=dtype, device=DEV)
-    y = w4a16_matmul(x.to(DEV), packed.to(DEV), block_scale.to(DEV), s2.to(DEV), out=out)
+    y = w4a16_matmul(x.to(DEV), wt, out=out)
     assert y.data_ptr() == out.data_ptr() and not bool(torch.isnan(y).any())
-    assert _bound_ok(y.cpu(), x, wd)
+    w64 = _exact(packed, block_scale, s2)
+    assert _bound_ok(y.cpu(), x, w64)
+    wd = dequantize_nvfp4(packed, block_scale, s2, dtype)  # the reference backend's weights, rounded
+    assert _bound_ok(y.cpu(), x, wd.double(), weight_unit=UNIT[dtype])
     if DEV == "cuda" or dtype == torch.float32:  # (CPU bf16 / fp16 matmul rounds differently inside)
-        assert _bound_ok((x.to(DEV) @ wd.to(DEV).T).cpu(), x, wd)
+        assert _bound_ok((x.to(DEV) @ wd.to(DEV).T).cpu(), x, w64, weight_unit=UNIT[dtype])
 
 
-@pytest.mark.parametrize("tiles", [(16, 16, 32, 1, 1, 1), (32, 64, 64, 4, 2, 2), (16, 32, 32, 2, 3, 3), (16, 64, 128, 4, 3, 4)],
+@skip_without_triton_device()
+@pytest.mark.parametrize("tiles", [(16, 16, 1, 4, 1, 4, 1), (32, 16, 2, 4, 2, 4, 3), (16, 32, 3, 4, 3, 4, 7),
+                                   (16, 16, 2, 4, 1, 4, 40), (32, 16, 1, 4, 1, 0, 0)],
                          ids=lambda t: "x".join(map(str, t)))
-def test_w4a16_tiles_split_k_and_leading_dims(tiles):
-    """Forced tiles give the same bound, K split into 1, 2 or 3 parts (K = 96; split_k 4 with a
-    128-wide K step is one part); x with leading dims [2, 3, K] -> [2, 3, N] into a poisoned output."""
-    from kvserve.kernels.triton_w4a16 import W4A16Tiles, w4a16_matmul
+def test_w4a16_stream_k_splits_and_leading_dims(tiles):
+    """Forced tiles and program counts: 1 (every tile in one program), 3 and 7 (parts of tiles meet
+    in the tile counters), 40 (several programs a tile), 0 (one program a tile); x with leading
+    dims [2, 3, K] -> [2, 3, N] into a poisoned output. The same bound every time, the same bits on
+    a second call (the parts are summed in program order), and the tile counters are left at zero."""
+    from kvserve.kernels import triton_w4a16 as kern
 
-    gen = torch.Generator().manual_seed(sum(tiles))
-    w = torch.randn(40, 96, generator=gen)
-    packed, block_scale, s2 = quantize_nvfp4(w)
-    x = torch.randn(2, 3, 96, generator=gen).to(torch.bfloat16)
-    out = torch.full((6, 40), float("nan"), dtype=torch.bfloat16, device=DEV)
-    y = w4a16_matmul(x.to(DEV), packed.to(DEV), block_scale.to(DEV), s2.to(DEV), out=out, tiles=W4A16Tiles(*tiles))
-    assert y.shape == (2, 3, 40) and y.dtype == torch.bfloat16 and y.data_ptr() == out.data_ptr()
-    assert _bound_ok(y.cpu().reshape(6, 40), x.reshape(6, 96), dequantize_nvfp4(packed, block_scale, s2, torch.bfloat16))
-
-
-def test_w4a16_rejects_bad_tiles():
-    from kvserve.kernels.triton_w4a16 import W4A16Tiles, w4a16_matmul
-
-    packed, block_scale, s2 = quantize_nvfp4(torch.randn(8, 64))
-    x = torch.randn(1, 64).to(DEV)
-    with pytest.raises(ValueError, match="block_k a multiple of 32"):
-        w4a16_matmul(x, packed.to(DEV), block_scale.to(DEV), s2.to(DEV), tiles=W4A16Tiles(16, 16, 48))
+    (packed, block_scale, s2), gen = _quantized(40, 320, sum(tiles))
+    x = torch.randn(2, 3, 320, generator=gen).to(torch.float32)
+    wt = kern.pack_w4a16(packed.to(DEV), block_scale.to(DEV), s2.to(DEV))
+    t = kern.W4A16Tiles(*tiles)
+    out = torch.full((6, 40), float("nan"), dtype=torch.float32, device=DEV)
+    y = kern.w4a16_matmul(x.to(DEV), wt, out=out, tiles=t)
+    assert y.shape == (2, 3, 40) and y.dtype == torch.float32 and y.data_ptr() == out.data_ptr()
+    assert _bound_ok(y.cpu().reshape(6, 40), x.reshape(6, 320), _exact(packed, block_scale, s2))
+    assert torch.equal(kern.w4a16_matmul(x.to(DEV), wt, tiles=t), y)
+    if DEV in kern._locks:
+        assert not bool(kern._locks[torch.device(DEV)].any())
 
 
+@skip_without_triton_device()
 def test_w4a16_per_row_global_scales_of_fused_siblings():
     """gate | up quantized apart (their own global scales) and stacked: one launch with a [N] global
     scale equals each half's own product."""
-    from kvserve.kernels.triton_w4a16 import w4a16_matmul
+    from kvserve.kernels.triton_w4a16 import pack_w4a16, w4a16_matmul
 
     gen = torch.Generator().manual_seed(11)
     gate, up = torch.randn(24, 64, generator=gen), torch.randn(40, 64, generator=gen) * 9
@@ -88,19 +233,24 @@ def test_w4a16_per_row_global_scales_of_fused_siblings():
     packed, block_scale = torch.cat([pg, pu]), torch.cat([bg, bu])
     rows = torch.cat([sg.expand(24), su.expand(40)]).contiguous()
     x = torch.randn(7, 64, generator=gen).to(torch.bfloat16)
-    y = w4a16_matmul(x.to(DEV), packed.to(DEV), block_scale.to(DEV), rows.to(DEV)).cpu()
-    wd = torch.cat([dequantize_nvfp4(pg, bg, sg, torch.bfloat16), dequantize_nvfp4(pu, bu, su, torch.bfloat16)])
-    assert _bound_ok(y, x, wd)
-    with pytest.raises(ValueError, match="global_scale of 3 values, expected 1 or N = 64"):
-        w4a16_matmul(x.to(DEV), packed.to(DEV), block_scale.to(DEV), rows[:3].to(DEV))
+    y = w4a16_matmul(x.to(DEV), pack_w4a16(packed.to(DEV), block_scale.to(DEV), rows.to(DEV))).cpu()
+    assert _bound_ok(y, x, torch.cat([_exact(pg, bg, sg), _exact(pu, bu, su)]))
 
 
-def test_w4a16_rejects_mismatched_tensors():
-    from kvserve.kernels.triton_w4a16 import w4a16_matmul
+@skip_without_triton_device()
+def test_w4a16_rejects_bad_input():
+    from kvserve.kernels.triton_w4a16 import W4A16Tiles, pack_w4a16, w4a16_matmul
 
-    packed, block_scale, s2 = quantize_nvfp4(torch.randn(8, 32))
-    x = torch.randn(2, 48, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=r"x \[\.\.\., 48\] does not match packed \(8, 16\)"):
-        w4a16_matmul(x, packed, block_scale, s2)
-    with pytest.raises(ValueError, match=r"block_scale \(8, 1\) torch.float8_e4m3fn, expected float8_e4m3fn \(8, 2\)"):
-        w4a16_matmul(x[:, :32], packed, block_scale[:, :1].contiguous(), s2)
+    packed, block_scale, s2 = quantize_nvfp4(torch.randn(8, 64))
+    wt = pack_w4a16(packed.to(DEV), block_scale.to(DEV), s2.to(DEV))
+    x = torch.randn(2, 64, device=DEV)
+    with pytest.raises(ValueError, match=r"x \[\.\.\., 48\] does not match the weight's in_features 64"):
+        w4a16_matmul(x[:, :48], wt)
+    with pytest.raises(ValueError, match="x is torch.float64; accepted: bfloat16, float16, float32"):
+        w4a16_matmul(x.double(), wt)
+    with pytest.raises(ValueError, match=r"out \(2, 4\) torch.float32, expected \(2, 8\) torch.float32"):
+        w4a16_matmul(x, wt, out=torch.empty(2, 4, device=DEV))
+    with pytest.raises(ValueError, match="needs block_n, block_m >= 16"):
+        w4a16_matmul(x, wt, tiles=W4A16Tiles(8, 16))
+    with pytest.raises(ValueError, match=r"weight \(8, 4\) torch.uint8, expected uint8 \[N, K/2\] with K a multiple of 16"):
+        pack_w4a16(packed[:, :4].contiguous(), block_scale[:, :1].contiguous(), s2)

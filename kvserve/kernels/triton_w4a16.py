@@ -1,15 +1,32 @@
-"""W4A16 GEMM over NVFP4 weights (Triton): ``y = x @ W^T`` with W decoded tile by tile in the kernel,
-so only its 4-bit codes and scales live in memory (~3.6x fewer weight bytes than bf16).
+"""W4A16 GEMM over NVFP4 weights (Triton): ``y = x @ W^T`` with W decoded in registers, so only its
+4-bit codes and 8-bit scales live in memory (~3.6x fewer weight bytes than bf16).
 
-W is a ModelOpt NVFP4 / W4A16_NVFP4 weight as exported: ``packed`` uint8 [N, K/2] (two e2m1 codes
-a byte, element 2i in the low nibble), ``block_scale`` float8_e4m3fn [N, K/16], ``global_scale`` an
-fp32 scalar, or one per output row (fused siblings such as gate | up keep their own exactly, where
-vLLM's Marlin path needs one and warns). Each tile is decoded exactly as ``quant/nvfp4.dequantize_nvfp4``: the e2m1 value times
-(float32(block scale) x global scale), both products in fp32, rounded once to the activation dtype;
-the products with x accumulate in fp32 (tensor cores for bf16 / fp16; IEEE fp32 dots for float32).
-So the result is ``x @ dequantize_nvfp4(W, x.dtype)^T`` up to the GEMM's summation order.
-K can be split over several programs (``W4A16Tiles.split_k``) so that a decode-sized product with
-few output columns still fills the GPU; the fp32 partials are summed in order (deterministic).
+**Kernel layout** (``pack_w4a16``, once after loading, as vLLM repacks for Marlin): K is cut into
+chunks of 64; chunk c of row n is 16 int16 words, and word i holds the four elements
+``64c + 16j + i`` (j = 0..3), so each j is one 16-wide e4m3 scale group and one k16 MMA step. Inside a
+word, element j's 3 magnitude bits (e1 e0 m) sit at ``MAG_AT[j]`` and its sign at ``SIGN_AT[j]``: a
+pair of words (one 32-bit register) then becomes a bf16x2 pair of element j by one shift-and-mask
+(j = 0, 1) or two (j = 2, 3). That pair reads as ``e2m1 * 2^-126`` (the magnitude lands on the low
+exponent bits and the top mantissa bit; e = 0 is the bf16 subnormal), and one ``mul.rn.bf16x2`` by
+the block scale ``s_b * 2^119`` gives ``e2m1 * s_b * 2^-7`` exactly (6 significant bits). The block
+scales are stored as S0E5M3 bytes (the exponent and mantissa bits of ``fp16(s_b * 2^7)``, always a
+normal number, the format vLLM's Marlin path uses), four per chunk read as one int32; a scale turns
+into its bf16x2 pair with one byte permute and one multiply-add. fp16 activations take the fp16
+twin of both steps. The global scale (one per output row: fused siblings keep their own) times 2^7
+multiplies the fp32 accumulator once at the end. So W enters the MMA as ``e2m1 * s_b`` exactly and
+the product is ``x @ (e2m1 * s_b * s2)^T`` up to fp32 accumulation: one rounding fewer than
+``x @ dequantize_nvfp4(W, dtype)^T``, which rounds every weight to x's dtype first.
+
+**Schedule**: the MMA is ``acc[BLOCK_N, BLOCK_M] += W_j [BLOCK_N, 16] @ x_j^T [16, BLOCK_M]`` (the weight
+is the left operand, decoded in its register layout; x comes through shared memory), so a decode
+batch of 1-16 rows still fills a 64-row MMA. The (tile, chunk) work is split evenly over a fixed
+number of programs (stream-K): a program that covers part of a tile writes its fp32 partial, and
+the last of a tile's programs to arrive (an atomic counter) sums the partials in program order
+(deterministic) and writes y. With many tiles each program takes whole tiles instead.
+
+The inline PTX runs on CUDA only; the Triton interpreter and fp32 activations take ``_decode_twin``,
+which builds the same values with Triton arithmetic (tests/test_triton_w4a16.py checks the PTX text
+against it bit for bit by emulating each instruction).
 """
 
 from __future__ import annotations
@@ -20,129 +37,350 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.quant.nvfp4 import NVFP4_GROUP_SIZE as GROUP  # the block size along K
+from kvserve.kernels.triton_store import num_sms
+from kvserve.quant.nvfp4 import NVFP4_GROUP_SIZE, unpack_e2m1
+
+CHUNK = 64  # K elements per chunk: four scale groups, 16 int16 words
+MAG_AT = (6, 3, 0, 9)  # where element j's magnitude bits start in its word
+SIGN_AT = (15, 12, 13, 14)  # and its sign bit
+_LOCKS = 1 << 16  # tile counters per device (stream-K); launches with more tiles take whole tiles
+
+# element pairs -> bf16x2 e2m1 * s_b * 2^-7: $4 = two code words, $5/$7/$9/$11 = the bf16x2 scales of j = 0..3
+_DECODE_BF16 = tl.constexpr("""{
+.reg .b32 t, u;
+and.b32 t, $4, 0x81C081C0;
+mul.rn.bf16x2 $0, t, $5;
+shl.b32 t, $4, 3;
+and.b32 t, t, 0x81C081C0;
+mul.rn.bf16x2 $1, t, $7;
+shl.b32 t, $4, 6;
+and.b32 t, t, 0x01C001C0;
+shl.b32 u, $4, 2;
+and.b32 u, u, 0x80008000;
+or.b32 t, t, u;
+mul.rn.bf16x2 $2, t, $9;
+shr.b32 t, $4, 3;
+and.b32 t, t, 0x01C001C0;
+shl.b32 u, $4, 1;
+and.b32 u, u, 0x80008000;
+or.b32 t, t, u;
+mul.rn.bf16x2 $3, t, $11;
+}""")
+# the fp16 twin: magnitude to bits 9-11 (e2m1 * 2^-14), scales s_b * 2^7
+_DECODE_FP16 = tl.constexpr("""{
+.reg .b32 t, u;
+shl.b32 t, $4, 3;
+and.b32 t, t, 0x0E000E00;
+and.b32 u, $4, 0x80008000;
+or.b32 t, t, u;
+mul.rn.f16x2 $0, t, $5;
+shl.b32 t, $4, 6;
+and.b32 t, t, 0x0E000E00;
+shl.b32 u, $4, 3;
+and.b32 u, u, 0x80008000;
+or.b32 t, t, u;
+mul.rn.f16x2 $1, t, $7;
+shl.b32 t, $4, 9;
+and.b32 t, t, 0x0E000E00;
+shl.b32 u, $4, 2;
+and.b32 u, u, 0x80008000;
+or.b32 t, t, u;
+mul.rn.f16x2 $2, t, $9;
+and.b32 t, $4, 0x0E000E00;
+shl.b32 u, $4, 1;
+and.b32 u, u, 0x80008000;
+or.b32 t, t, u;
+mul.rn.f16x2 $3, t, $11;
+}""")
+# the four S0E5M3 bytes of a chunk ($4) -> bf16x2 (s_b * 2^119, twice): exponent + 224, mantissa << 4
+_SCALES_BF16 = tl.constexpr("""{
+.reg .b32 t;
+prmt.b32 t, $4, 0, 0x4040;
+mad.lo.u32 $0, t, 16, 0x70007000;
+prmt.b32 t, $4, 0, 0x4141;
+mad.lo.u32 $1, t, 16, 0x70007000;
+prmt.b32 t, $4, 0, 0x4242;
+mad.lo.u32 $2, t, 16, 0x70007000;
+prmt.b32 t, $4, 0, 0x4343;
+mad.lo.u32 $3, t, 16, 0x70007000;
+}""")
+# -> fp16x2 (s_b * 2^7, twice): the byte is bits 14-7 of the fp16
+_SCALES_FP16 = tl.constexpr("""{
+.reg .b32 t;
+prmt.b32 t, $4, 0, 0x4040;
+shl.b32 $0, t, 7;
+prmt.b32 t, $4, 0, 0x4141;
+shl.b32 $1, t, 7;
+prmt.b32 t, $4, 0, 0x4242;
+shl.b32 $2, t, 7;
+prmt.b32 t, $4, 0, 0x4343;
+shl.b32 $3, t, 7;
+}""")
+
+
+@dataclass(frozen=True)
+class W4A16Weight:
+    """An NVFP4 weight in the kernel layout (module docstring): ``codes`` int16 [N, 16 C],
+    ``scales`` uint8 [N, 4 C] (S0E5M3), ``row_scale`` fp32 [N] (global scale x 2^7); C = K / 64
+    rounded up (padding decodes to 0)."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    row_scale: torch.Tensor
+    in_features: int
+
+    @property
+    def out_features(self) -> int:
+        return self.codes.shape[0]
+
+
+def pack_w4a16(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor) -> W4A16Weight:
+    """A ModelOpt NVFP4 weight (``weight`` uint8 [N, K/2], ``weight_scale`` float8_e4m3fn [N, K/16],
+    ``weight_scale_2`` fp32, 1 or N values) -> the kernel layout, on the same device. Exact: a
+    negative block scale flips its codes' signs, a zero one zeroes its codes; NaN scales are refused."""
+    n, half_k = packed.shape
+    k = 2 * half_k
+    if packed.dtype != torch.uint8 or k % NVFP4_GROUP_SIZE:
+        raise ValueError(f"pack_w4a16: weight {tuple(packed.shape)} {packed.dtype}, expected uint8 [N, K/2] with K a "
+                         f"multiple of {NVFP4_GROUP_SIZE}")
+    groups = k // NVFP4_GROUP_SIZE
+    if block_scale.dtype != torch.float8_e4m3fn or tuple(block_scale.shape) != (n, groups):
+        raise ValueError(f"pack_w4a16: weight_scale {tuple(block_scale.shape)} {block_scale.dtype}, expected "
+                         f"float8_e4m3fn {(n, groups)}")
+    if global_scale.dtype != torch.float32 or global_scale.numel() not in (1, n):
+        raise ValueError(f"pack_w4a16: weight_scale_2 of {global_scale.numel()} {global_scale.dtype} values, expected "
+                         f"float32, 1 or N = {n}")
+    s = block_scale.float()
+    if bool(torch.isnan(s).any()):
+        raise ValueError(f"pack_w4a16: weight_scale {tuple(block_scale.shape)} holds NaN block scales")
+    chunks = -(-k // CHUNK)
+    codes = torch.zeros((n, chunks * CHUNK), dtype=torch.int32, device=packed.device)
+    codes[:, :k] = unpack_e2m1(packed)
+    codes = codes.view(n, chunks * 4, NVFP4_GROUP_SIZE)
+    s_pad = torch.ones((n, chunks * 4), dtype=torch.float32, device=packed.device)
+    s_pad[:, :groups] = s
+    codes = torch.where((s_pad < 0)[..., None], codes ^ 8, codes)  # (-s) * v = s * (-v)
+    codes = torch.where((s_pad == 0)[..., None], torch.zeros_like(codes), codes)
+    s_pad = torch.where(s_pad == 0, torch.ones_like(s_pad), s_pad.abs())
+    c = codes.view(n, chunks, 4, 16)
+    word = torch.zeros((n, chunks, 16), dtype=torch.int32, device=packed.device)
+    for j in range(4):
+        word |= ((c[:, :, j] & 7) << MAG_AT[j]) | ((c[:, :, j] >> 3) << SIGN_AT[j])
+    word = word - ((word >> 15) << 16)  # 0..65535 -> the int16 of the same bits
+    fp16_bits = (s_pad * 128).to(torch.float16).view(torch.int16).to(torch.int32)  # normal: s_b >= 2^-9
+    s0e5m3 = ((fp16_bits >> 7) & 0xFF).to(torch.uint8)
+    row = global_scale.reshape(-1).to(device=packed.device, dtype=torch.float32).expand(n) * 128.0
+    return W4A16Weight(word.to(torch.int16).reshape(n, chunks * 16).contiguous(), s0e5m3.contiguous(),
+                       row.contiguous(), k)
 
 
 @dataclass(frozen=True)
 class W4A16Tiles:
-    """Launch tiles: rows x output columns x K step of a program, warps, pipeline stages, and
-    ``split_k`` parts of K run as separate programs (fp32 partials summed after, in a fixed order)."""
+    """Launch tiles: output rows (W) x batch rows (x) of a program's accumulator, K chunks per loop
+    step, warps, pipeline stages, and programs per SM (stream-K; 0 = one program per tile)."""
 
-    block_m: int
     block_n: int
-    block_k: int
+    block_m: int
+    chunks: int = 2
     num_warps: int = 4
     num_stages: int = 3
-    split_k: int = 1
-
-
-@triton.jit
-def _e2m1_times_2_14(codes):
-    """e2m1 codes (int32, 0-15) -> fp32 value / 2^14: the sign to bit 15 of an fp16, the 3 magnitude
-    bits (e1 e0 m) to bits 11-9, which reads 2^(e - 15) (1 + m / 2), or m 2^-15 for e == 0."""
-    bits = ((codes & 8) << 12) | ((codes & 7) << 9)
-    return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def _w4a16_kernel(
-    x_ptr, w_ptr, s_ptr, s2_ptr, y_ptr,
-    M, N, K, k_per_split,
-    stride_xm, stride_wn, stride_sn, stride_ym, stride_ys,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-    ROW_SCALES: tl.constexpr, GROUP: tl.constexpr,
-):
-    """One [BLOCK_M, BLOCK_N] tile of y over K range ``[split * k_per_split, +k_per_split)`` (a
-    multiple of BLOCK_K, itself a multiple of 2 x GROUP), in BLOCK_K steps."""
-    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    split = tl.program_id(2)
-    m_ok, n_ok = rm < M, rn < N
-    if ROW_SCALES:  # one global scale per output row, else the tensor's one
-        s2 = tl.load(s2_ptr + rn, mask=n_ok, other=0.0)
-    else:
-        s2 = tl.load(s2_ptr + rn * 0)
-    # the e2m1 value's 2^14 goes into the scale (a power of two: exact), so each element costs the
-    # bit moves, one conversion and one fp32 multiply: value x (float32(block scale) x global scale)
-    s2 = s2 * 16384.0
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    k_lo = split * k_per_split
-    # The weight tile is taken as [BLOCK_K / 2, BLOCK_N] bytes: the low nibbles are the even K rows,
-    # the high nibbles the odd ones, so x is read as its even and odd columns and two dots of
-    # BLOCK_K / 2 add up (no interleaving of the nibbles, no transpose); byte j's block scale is
-    # byte j // (GROUP / 2)'s (read once per byte, from cache).
-    rj = tl.arange(0, BLOCK_K // 2)
-    for k0 in range(k_lo, tl.minimum(k_lo + k_per_split, K), BLOCK_K):
-        rb = k0 // 2 + rj
-        b_ok = rb < K // 2
-        x_row = x_ptr + rm.to(tl.int64)[:, None] * stride_xm + 2 * rb[None, :]
-        x_mask = m_ok[:, None] & b_ok[None, :]
-        x_even = tl.load(x_row, mask=x_mask, other=0.0)
-        x_odd = tl.load(x_row + 1, mask=x_mask, other=0.0)
-        w_mask = b_ok[:, None] & n_ok[None, :]
-        wb = tl.load(w_ptr + rn.to(tl.int64)[None, :] * stride_wn + rb[:, None], mask=w_mask, other=0).to(tl.int32)
-        sb = tl.load(s_ptr + rn.to(tl.int64)[None, :] * stride_sn + (rb // (GROUP // 2))[:, None], mask=w_mask, other=0)
-        scale = sb.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s2[None, :]  # [BLOCK_K / 2, BLOCK_N]
-        w_even = (_e2m1_times_2_14(wb & 0xF) * scale).to(x_ptr.dtype.element_ty)
-        w_odd = (_e2m1_times_2_14(wb >> 4) * scale).to(x_ptr.dtype.element_ty)
-        if IEEE:
-            acc += tl.dot(x_even, w_even, input_precision="ieee")
-            acc += tl.dot(x_odd, w_odd, input_precision="ieee")
-        else:
-            acc += tl.dot(x_even, w_even)
-            acc += tl.dot(x_odd, w_odd)
-    y_ptr += split.to(tl.int64) * stride_ys
-    tl.store(y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
+    programs_per_sm: int = 4
+    programs: int = 0  # an exact program count instead (tests of the stream-K split)
 
 
 def default_tiles(m: int, n: int, k: int) -> W4A16Tiles:
     """The launch tiles for an [m, k] x [k, n] product (untuned until the H200 sweep lands)."""
     if m <= 16:
-        return W4A16Tiles(16, 64, 128, 4)
+        return W4A16Tiles(128, 16, 2, 4, 3, 4)
+    if m <= 32:
+        return W4A16Tiles(128, 32, 2, 4, 3, 4)
     if m <= 64:
-        return W4A16Tiles(64, 64, 64, 4)
-    return W4A16Tiles(128, 128, 64, 8)
+        return W4A16Tiles(128, 64, 2, 8, 3, 2)
+    return W4A16Tiles(128, 128, 1, 8, 3, 1)
 
 
-def w4a16_matmul(
-    x: torch.Tensor, packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor,
-    out: torch.Tensor | None = None, tiles: W4A16Tiles | None = None,
-) -> torch.Tensor:
-    """x [..., K] (bf16 / fp16 / fp32, last dim contiguous) @ W^T -> [..., N] in x's dtype; W as the
-    module docstring (``global_scale`` a 1-element or [N] fp32 tensor on x's device). ``tiles``
-    overrides ``default_tiles`` (tests and tuning); every tiling gives the same product up to the
-    fp32 summation order."""
-    n, half_k = packed.shape
-    k = x.shape[-1]
-    if packed.dtype != torch.uint8 or k != 2 * half_k or k % GROUP:
-        raise ValueError(f"w4a16_matmul: x [..., {k}] does not match packed {tuple(packed.shape)} {packed.dtype} "
-                         f"(uint8 [N, K/2], K a multiple of {GROUP})")
-    if block_scale.dtype != torch.float8_e4m3fn or tuple(block_scale.shape) != (n, k // GROUP):
-        raise ValueError(f"w4a16_matmul: block_scale {tuple(block_scale.shape)} {block_scale.dtype}, expected "
-                         f"float8_e4m3fn {(n, k // GROUP)}")
-    if global_scale.numel() not in (1, n):
-        raise ValueError(f"w4a16_matmul: global_scale of {global_scale.numel()} values, expected 1 or N = {n}")
+@triton.jit
+def _decode_twin(w, u, MAG: tl.constexpr, SIGN: tl.constexpr, BYTE: tl.constexpr, DTYPE: tl.constexpr):
+    """Element j of each code word times its block scale, ``e2m1 * s_b * 2^-7`` (exact), in Triton
+    arithmetic: what the PTX of ``_DECODE_*`` computes, for the interpreter and fp32."""
+    h = w.to(tl.int32) & 0xFFFF
+    mag = (h >> MAG) & 7
+    e = mag >> 1
+    half_m = (mag & 1).to(tl.float32) * 0.5
+    v = tl.where(e == 0, half_m, (1.0 + half_m) * (1 << tl.maximum(e - 1, 0)).to(tl.float32))
+    v = tl.where(((h >> SIGN) & 1) == 1, -v, v)
+    b = (u >> (8 * BYTE)) & 0xFF  # S0E5M3: s_b * 2^7 = 2^(E5 - 15) (1 + M3 / 8)
+    scale = (((b >> 3) + 98) << 23 | (b & 7) << 20).to(tl.float32, bitcast=True)  # s_b * 2^-7
+    return (v * scale[:, None]).to(DTYPE)
+
+
+@triton.jit
+def _w4a16_kernel(
+    x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, part_ptr, lock_ptr,
+    M, N, K, n_chunks, tiles_n, units, programs,
+    stride_xm, stride_wn, stride_sn, stride_ym,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, CHUNKS: tl.constexpr, DECODE: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    """Program p takes work units [p U / P, (p + 1) U / P) of U = tiles x chunks (tile-major). DECODE:
+    1 bf16 PTX, 2 fp16 PTX, 0 the Triton twin (interpreter) with x's dtype, 3 the twin in fp32
+    with IEEE dots."""
+    p = tl.program_id(0)
+    u_lo = (p.to(tl.int64) * units // programs).to(tl.int32)
+    u_hi = ((p.to(tl.int64) + 1) * units // programs).to(tl.int32)
+    ri = tl.arange(0, 16)
+    rbn = tl.arange(0, BLOCK_N)
+    rbm = tl.arange(0, BLOCK_M)
+    u = u_lo
+    while u < u_hi:
+        tile = u // n_chunks
+        c_begin = u - tile * n_chunks
+        c_end = tl.minimum(n_chunks, c_begin + (u_hi - u))
+        rn = (tile % tiles_n) * BLOCK_N + rbn
+        rm = (tile // tiles_n) * BLOCK_M + rbm
+        n_ok, m_ok = rn < N, rm < M
+        w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn + ri[None, :]
+        s_rows = s_ptr + rn.to(tl.int64) * stride_sn
+        x_cols = x_ptr + rm.to(tl.int64)[None, :] * stride_xm + ri[:, None]
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for c in tl.range(c_begin, c_end, loop_unroll_factor=CHUNKS):
+            if EVEN_N:
+                w = tl.load(w_rows + c * 16)  # [BLOCK_N, 16] int16
+                sc = tl.load(s_rows + c)  # [BLOCK_N] int32: 4 S0E5M3 bytes
+            else:
+                w = tl.load(w_rows + c * 16, mask=n_ok[:, None], other=0)
+                sc = tl.load(s_rows + c, mask=n_ok, other=0)
+            xm = m_ok[None, :]
+            if EVEN_K:
+                x0 = tl.load(x_cols + c * 64, mask=xm, other=0.0)  # [16, BLOCK_M]
+                x1 = tl.load(x_cols + c * 64 + 16, mask=xm, other=0.0)
+                x2 = tl.load(x_cols + c * 64 + 32, mask=xm, other=0.0)
+                x3 = tl.load(x_cols + c * 64 + 48, mask=xm, other=0.0)
+            else:
+                k0 = c * 64 + ri[:, None]
+                x0 = tl.load(x_cols + c * 64, mask=xm & (k0 < K), other=0.0)
+                x1 = tl.load(x_cols + c * 64 + 16, mask=xm & (k0 + 16 < K), other=0.0)
+                x2 = tl.load(x_cols + c * 64 + 32, mask=xm & (k0 + 32 < K), other=0.0)
+                x3 = tl.load(x_cols + c * 64 + 48, mask=xm & (k0 + 48 < K), other=0.0)
+            if DECODE == 1:
+                s0, s1, s2, s3 = tl.inline_asm_elementwise(
+                    _SCALES_BF16, "=r,=r,=r,=r,r", [sc], dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+                    is_pure=True, pack=1)
+                w0, w1, w2, w3 = tl.inline_asm_elementwise(
+                    _DECODE_BF16, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r",
+                    [w, s0[:, None].broadcast_to(BLOCK_N, 16), s1[:, None].broadcast_to(BLOCK_N, 16),
+                     s2[:, None].broadcast_to(BLOCK_N, 16), s3[:, None].broadcast_to(BLOCK_N, 16)],
+                    dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16), is_pure=True, pack=2)
+                acc = tl.dot(w0, x0, acc)
+                acc = tl.dot(w1, x1, acc)
+                acc = tl.dot(w2, x2, acc)
+                acc = tl.dot(w3, x3, acc)
+            elif DECODE == 2:
+                s0, s1, s2, s3 = tl.inline_asm_elementwise(
+                    _SCALES_FP16, "=r,=r,=r,=r,r", [sc], dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+                    is_pure=True, pack=1)
+                w0, w1, w2, w3 = tl.inline_asm_elementwise(
+                    _DECODE_FP16, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r",
+                    [w, s0[:, None].broadcast_to(BLOCK_N, 16), s1[:, None].broadcast_to(BLOCK_N, 16),
+                     s2[:, None].broadcast_to(BLOCK_N, 16), s3[:, None].broadcast_to(BLOCK_N, 16)],
+                    dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=2)
+                acc = tl.dot(w0, x0, acc)
+                acc = tl.dot(w1, x1, acc)
+                acc = tl.dot(w2, x2, acc)
+                acc = tl.dot(w3, x3, acc)
+            elif DECODE == 3:
+                acc = tl.dot(_decode_twin(w, sc, 6, 15, 0, tl.float32), x0, acc, input_precision="ieee")
+                acc = tl.dot(_decode_twin(w, sc, 3, 12, 1, tl.float32), x1, acc, input_precision="ieee")
+                acc = tl.dot(_decode_twin(w, sc, 0, 13, 2, tl.float32), x2, acc, input_precision="ieee")
+                acc = tl.dot(_decode_twin(w, sc, 9, 14, 3, tl.float32), x3, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(_decode_twin(w, sc, 6, 15, 0, x_ptr.dtype.element_ty), x0, acc)
+                acc = tl.dot(_decode_twin(w, sc, 3, 12, 1, x_ptr.dtype.element_ty), x1, acc)
+                acc = tl.dot(_decode_twin(w, sc, 0, 13, 2, x_ptr.dtype.element_ty), x2, acc)
+                acc = tl.dot(_decode_twin(w, sc, 9, 14, 3, x_ptr.dtype.element_ty), x3, acc)
+        g = tl.load(g_ptr + rn, mask=n_ok, other=0.0)
+        y_at = y_ptr + rm.to(tl.int64)[None, :] * stride_ym + rn[:, None]
+        y_ok = n_ok[:, None] & m_ok[None, :]
+        if c_begin == 0 and c_end == n_chunks:  # the whole tile
+            tl.store(y_at, (acc * g[:, None]).to(y_ptr.dtype.element_ty), mask=y_ok)
+        else:  # a part: publish it; the tile's last program to arrive sums the parts in program order
+            first = (u == u_lo).to(tl.int32)  # a program's parts: slot 0 its first tile, slot 1 its last
+            slot = part_ptr + ((p * 2 + 1 - first).to(tl.int64) * BLOCK_N + rbn[:, None]) * BLOCK_M + rbm[None, :]
+            tl.store(slot, acc)
+            tl.debug_barrier()
+            t_lo, t_hi = tile * n_chunks, tile * n_chunks + n_chunks
+            q_first = ((t_lo + 1).to(tl.int64) * programs + units - 1) // units - 1  # owner of unit t_lo
+            q_last = (t_hi.to(tl.int64) * programs + units - 1) // units - 1  # owner of unit t_hi - 1
+            arrived = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel")
+            if arrived == q_last - q_first:
+                total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+                for q in range(q_first, q_last + 1):
+                    q_lo = (q * units // programs).to(tl.int32)
+                    q_slot = q * 2 + 1 - (q_lo // n_chunks == tile).to(tl.int64)
+                    total += tl.load(part_ptr + (q_slot * BLOCK_N + rbn[:, None]) * BLOCK_M + rbm[None, :],
+                                     cache_modifier=".cg")
+                tl.atomic_xchg(lock_ptr + tile, 0)  # ready for the next launch
+                tl.store(y_at, (total * g[:, None]).to(y_ptr.dtype.element_ty), mask=y_ok)
+        u += c_end - c_begin
+
+
+_locks: dict[torch.device, torch.Tensor] = {}
+
+
+def _tile_locks(device: torch.device) -> torch.Tensor:
+    """Zeroed int32 tile counters for stream-K launches on ``device`` (each launch leaves them zero)."""
+    lock = _locks.get(device)
+    if lock is None:
+        lock = _locks[device] = torch.zeros(_LOCKS, dtype=torch.int32, device=device)
+    return lock
+
+
+def _decode_mode(x: torch.Tensor) -> int:
+    if x.dtype == torch.float32:
+        return 3
+    if x.device.type != "cuda":
+        return 0
+    return 1 if x.dtype == torch.bfloat16 else 2
+
+
+def w4a16_matmul(x: torch.Tensor, weight: W4A16Weight, out: torch.Tensor | None = None,
+                 tiles: W4A16Tiles | None = None) -> torch.Tensor:
+    """x [..., K] (bf16 / fp16 / fp32, last dim contiguous) @ W^T -> [..., N] in x's dtype, W from
+    ``pack_w4a16`` on x's device. ``tiles`` overrides ``default_tiles`` (tests and tuning); every
+    tiling gives the same product up to the fp32 summation order."""
+    k, n = weight.in_features, weight.out_features
+    if x.shape[-1] != k:
+        raise ValueError(f"w4a16_matmul: x [..., {x.shape[-1]}] does not match the weight's in_features {k}")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"w4a16_matmul: x is {x.dtype}; accepted: bfloat16, float16, float32")
     x2 = x.reshape(-1, k)
-    assert x2.stride(-1) == 1 and packed.is_contiguous() and block_scale.is_contiguous()
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
     m = x2.shape[0]
     y = out if out is not None else torch.empty((m, n), dtype=x.dtype, device=x.device)
-    assert y.shape == (m, n) and y.stride(-1) == 1
-    if m:
-        t = tiles or default_tiles(m, n, k)
-        if t.block_k % (2 * GROUP) or t.split_k < 1:
-            raise ValueError(f"w4a16_matmul: {t} needs block_k a multiple of {2 * GROUP} and split_k >= 1")
-        k_per_split = triton.cdiv(triton.cdiv(k, t.split_k), t.block_k) * t.block_k
-        splits = triton.cdiv(k, k_per_split)
-        part = y if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
-        grid = (triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n), splits)
-        _w4a16_kernel[grid](
-            x2, packed, block_scale.view(torch.uint8), global_scale.reshape(-1).float(), part,
-            m, n, k, k_per_split, x2.stride(0), packed.stride(0), block_scale.stride(0), part.stride(-2),
-            part.stride(0) if splits > 1 else 0,
-            BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, IEEE=x.dtype == torch.float32,
-            ROW_SCALES=global_scale.numel() > 1, GROUP=GROUP, num_warps=t.num_warps, num_stages=t.num_stages,
-        )
-        if splits > 1:
-            torch.sum(part, dim=0, out=y) if y.dtype == torch.float32 else y.copy_(part.sum(0))
+    if tuple(y.shape) != (m, n) or y.stride(-1) != 1 or y.dtype != x.dtype:
+        raise ValueError(f"w4a16_matmul: out {tuple(y.shape)} {y.dtype}, expected {(m, n)} {x.dtype}, rows contiguous")
+    if m == 0:
+        return y.reshape(*x.shape[:-1], n)
+    t = tiles or default_tiles(m, n, k)
+    if t.block_n < 16 or t.block_m < 16 or t.chunks < 1 or t.programs_per_sm < 0:
+        raise ValueError(f"w4a16_matmul: {t} needs block_n, block_m >= 16, chunks >= 1, programs_per_sm >= 0")
+    n_chunks = weight.codes.shape[1] // 16
+    tiles_n, tiles_m = triton.cdiv(n, t.block_n), triton.cdiv(m, t.block_m)
+    n_tiles = tiles_n * tiles_m
+    units = n_tiles * n_chunks
+    target = t.programs or num_sms(x.device) * t.programs_per_sm
+    # stream-K while there are fewer tiles than programs to fill the GPU with; else whole tiles
+    programs = min(units, target) if n_tiles < target and n_tiles <= _LOCKS else n_tiles
+    streamed = programs != n_tiles
+    part = torch.empty((programs, 2, t.block_n, t.block_m), dtype=torch.float32, device=x.device) if streamed else y
+    lock = _tile_locks(x.device) if streamed else y
+    _w4a16_kernel[(programs,)](
+        x2, weight.codes, weight.scales.view(torch.int32), weight.row_scale, y, part, lock,
+        m, n, k, n_chunks, tiles_n, units, programs,
+        x2.stride(0), weight.codes.stride(0), weight.scales.stride(0) // 4, y.stride(0),
+        BLOCK_N=t.block_n, BLOCK_M=t.block_m, CHUNKS=t.chunks, DECODE=_decode_mode(x),
+        EVEN_N=n % t.block_n == 0, EVEN_K=k % CHUNK == 0,
+        num_warps=t.num_warps, num_stages=t.num_stages,
+    )
     return y.reshape(*x.shape[:-1], n)

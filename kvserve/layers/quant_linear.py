@@ -1,11 +1,12 @@
 """Linear layers that keep ModelOpt weights quantized: NVFP4 packed for the W4A16 GEMM (Triton
 backend), FP8 per tensor for the scaled FP8 GEMM (CUDA).
 
-``NVFP4Linear`` holds the checkpoint's tensors under their names (``weight`` uint8 [out, in/2],
+``NVFP4Linear`` loads the checkpoint's tensors under their names (``weight`` uint8 [out, in/2],
 ``weight_scale`` float8_e4m3fn [out, in/16]) and ``weight_scale_2`` as one fp32 value per output
 row (each fused shard's own global scale, exactly), so a fused module loads shard by shard like a
-dense one. ``quantize_linears`` swaps them in before loading for every Linear whose checkpoint
-shards are all NVFP4 / W4A16_NVFP4.
+dense one; ``finalize`` repacks them into the W4A16 kernel's layout (as vLLM repacks for Marlin).
+``quantize_linears`` swaps them in before loading for every Linear whose checkpoint shards are all
+NVFP4 / W4A16_NVFP4.
 
 ``FP8Linear`` is vLLM's ModelOpt FP8 path: the fp8 ``weight`` [out, in] and, while loading, each
 shard's ``weight_scale`` and static ``input_scale`` once per output row; ``finalize`` then does what
@@ -37,7 +38,9 @@ def _frozen(device: torch.device | str | None, dtype: torch.dtype, *shape: int) 
 
 
 class NVFP4Linear(nn.Module):
-    """``y = x @ W^T (+ bias)`` with W in NVFP4 (kernels/triton_w4a16.py)."""
+    """``y = x @ W^T (+ bias)`` with W in NVFP4 (kernels/triton_w4a16.py). Loads the checkpoint's
+    tensors; ``finalize`` then repacks them into the kernel layout (``codes``, ``scales``,
+    ``row_scale``, the same bytes plus K padding) and drops them."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, device: torch.device | str | None = None):
         super().__init__()
@@ -49,16 +52,30 @@ class NVFP4Linear(nn.Module):
         self.weight_scale = _frozen(device, torch.float8_e4m3fn, out_features, in_features // GROUP)
         self.weight_scale_2 = _frozen(device, torch.float32, out_features)
         self.bias = nn.Parameter(torch.zeros(out_features, device=device)) if bias else None
+        self.finalized = False
+
+    def finalize(self) -> None:
+        """After loading: the checkpoint tensors repacked for the kernel (``pack_w4a16``) and freed."""
+        from kvserve.kernels.triton_w4a16 import pack_w4a16
+
+        with torch.no_grad():
+            packed = pack_w4a16(self.weight, self.weight_scale, self.weight_scale_2)
+        self.weight = self.weight_scale = self.weight_scale_2 = None
+        self.codes = nn.Parameter(packed.codes, requires_grad=False)
+        self.scales = nn.Parameter(packed.scales, requires_grad=False)
+        self.row_scale = nn.Parameter(packed.row_scale, requires_grad=False)
+        self.finalized = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from kvserve.kernels.triton_w4a16 import w4a16_matmul
+        from kvserve.kernels.triton_w4a16 import W4A16Weight, w4a16_matmul
 
-        y = w4a16_matmul(x, self.weight, self.weight_scale, self.weight_scale_2)
+        assert self.finalized, "NVFP4Linear.finalize() runs after loading"
+        y = w4a16_matmul(x, W4A16Weight(self.codes, self.scales, self.row_scale, self.in_features))
         return y if self.bias is None else y + self.bias
 
     def init_dummy(self, gen: torch.Generator) -> None:
         """``--load-format dummy``: random codes, block scales in [0.5, 1), weights within ~1e-3
-        (vLLM's dummy range)."""
+        (vLLM's dummy range); ``finalize`` follows."""
         with torch.no_grad():
             self.weight.copy_(torch.randint(0, 256, self.weight.shape, generator=gen, device=gen.device,
                                             dtype=torch.uint8))
@@ -132,10 +149,14 @@ def _reciprocal(s: torch.Tensor) -> torch.Tensor:
 
 
 def finalize_quantized_model(model: nn.Module) -> None:
-    """After loading: every FP8Linear's scales settled (``FP8Linear.finalize``)."""
-    for m in model.modules():
-        if isinstance(m, FP8Linear) and not m.finalized:
-            m.finalize()
+    """After loading: every FP8Linear's scales settled (``FP8Linear.finalize``), every NVFP4Linear
+    repacked for its kernel (``NVFP4Linear.finalize``); a malformed one names its module."""
+    for name, m in model.named_modules():
+        if isinstance(m, (FP8Linear, NVFP4Linear)) and not m.finalized:
+            try:
+                m.finalize()
+            except ValueError as e:
+                raise ValueError(f"{name}: {e}") from None
 
 
 def _checkpoint_shards(name: str, stacked: dict[str, tuple[str, int]]) -> list[str]:
