@@ -52,22 +52,23 @@ def _time_ms(fn) -> float:
 
 
 def sweep_tiles(m: int) -> list:
-    """The tiles a sweep tries at batch ``m`` (split_k is a launch argument: no extra compiles)."""
+    """The tiles a sweep tries at batch ``m``, fewest compiles first (``programs_per_sm`` is a launch
+    argument: no extra compile)."""
     from kvserve.kernels.triton_w4a16 import W4A16Tiles
 
     if m <= 16:
-        return [W4A16Tiles(16, bn, bk, w, 3, sk) for bn in (32, 64, 128) for bk in (128, 256)
-                for w in ((4, 8) if bn == 128 else (4,)) for sk in (1, 2, 4)]
+        return [W4A16Tiles(bn, 16, ch, w, st, pps) for bn, w in ((128, 4), (64, 4), (256, 8)) for ch in (2, 1)
+                for st in (3, 4) for pps in (4, 2, 8)]
     if m <= 64:
-        return [W4A16Tiles(64, bn, bk, w, 3) for bn in (64, 128) for bk in (64, 128) for w in (4, 8)]
-    # 256 rows a program at batch 256: each weight tile decoded once for all of them
-    return [W4A16Tiles(bm, bn, bk, 8, 3) for bm in (128, 256) for bn in (64, 128, 256) for bk in (64, 128)
-            if bm * bn <= 256 * 128]
+        return [W4A16Tiles(128, bm, ch, w, 3, pps) for bm in (64, 32) for w in (4, 8) for ch in (2, 1)
+                for pps in (2, 4, 1)]
+    return [W4A16Tiles(bn, bm, ch, 8, st, pps) for bm in (128, 64) for bn in (128, 256) if bn * bm <= 128 * 128
+            for ch in (1, 2) for st in (3, 2) for pps in (0, 2, 3)]
 
 
 def bench(shapes: dict, batches: list[int], sweep: int, budget_s: float, doc: dict, save) -> None:
     """Time every (shape, batch) point; ``sweep`` > 0 also tries up to that many of ``sweep_tiles``."""
-    from kvserve.kernels.triton_w4a16 import default_tiles, w4a16_matmul
+    from kvserve.kernels.triton_w4a16 import default_tiles, pack_w4a16, w4a16_matmul
 
     t_end = time.perf_counter() + budget_s
     gen = torch.Generator().manual_seed(0)
@@ -75,6 +76,7 @@ def bench(shapes: dict, batches: list[int], sweep: int, budget_s: float, doc: di
         w = (torch.randn(n, k, generator=gen) * 0.02).to(DTYPE)
         packed, block_scale, s2 = (t.to(DEV) for t in quantize_nvfp4(w))
         wd = dequantize_nvfp4(packed, block_scale, s2, DTYPE)
+        wq = pack_w4a16(packed, block_scale, s2)  # the kernel layout, once (as NVFP4Linear.finalize)
         for m in batches:
             if time.perf_counter() > t_end:
                 doc["cut_short"] = True
@@ -84,9 +86,9 @@ def bench(shapes: dict, batches: list[int], sweep: int, budget_s: float, doc: di
             dense_ms = _time_ms(lambda: F.linear(x, wd))
 
             def run(tiles=None):
-                y = w4a16_matmul(x, packed, block_scale, s2, tiles=tiles)
+                y = w4a16_matmul(x, wq, tiles=tiles)
                 err = float((y.float() - want.float()).abs().max() / want.float().abs().max())
-                return _time_ms(lambda: w4a16_matmul(x, packed, block_scale, s2, tiles=tiles)), err
+                return _time_ms(lambda: w4a16_matmul(x, wq, tiles=tiles)), err
 
             ms, err = run()
             row = {"shape": name, "n": n, "k": k, "m": m, "dense_ms": dense_ms, "w4a16_ms": ms,
