@@ -1,7 +1,9 @@
 #!/usr/bin/env python
 """Quantized-weight GEMMs on one GPU (the quant family of the suite, issue 15): kvserve's W4A16 NVFP4
 GEMM (``kernels/triton_w4a16.py``) against torch's bf16 GEMM (cuBLAS) on the Qwen3.6-27B MLP shapes
-(gate or up 17408 x 5120, the fused gate | up 34816 x 5120, down 5120 x 17408) at batch 1-256.
+(gate or up 17408 x 5120, the fused gate | up 34816 x 5120, down 5120 x 17408) at batch 1-256 and
+prefill chunks of 1024 and 4096 rows; from 256 rows both of ``w4a16_matmul``'s paths are timed (the
+fused kernel, and the weight dequantized for cuBLAS), which is what ``DENSE_FROM_M`` is set from.
 
 Random bf16 weights quantized by the reference codec (``quant/nvfp4.py``); every point's output is
 checked against x @ dequantize_nvfp4(W)^T (max |error| / max |reference|). Times are
@@ -37,7 +39,7 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # bf16 on the GPU; the CPU smoke run takes fp32 (the interpreter's bf16 tl.dot is wrong, see tests/triton_support.py)
 DTYPE = torch.bfloat16 if DEV == "cuda" else torch.float32
 SHAPES = {"gate_or_up": (17408, 5120), "gate_up_fused": (34816, 5120), "down": (5120, 17408)}  # (N, K)
-BATCHES = [1, 4, 16, 64, 128, 256]
+BATCHES = [1, 4, 16, 64, 128, 256, 1024, 4096]  # decode batches, then prefill chunks
 
 
 def _time_ms(fn) -> float:
@@ -68,7 +70,7 @@ def sweep_tiles(m: int) -> list:
 
 def bench(shapes: dict, batches: list[int], sweep: int, budget_s: float, doc: dict, save) -> None:
     """Time every (shape, batch) point; ``sweep`` > 0 also tries up to that many of ``sweep_tiles``."""
-    from kvserve.kernels.triton_w4a16 import default_tiles, pack_w4a16, w4a16_matmul
+    from kvserve.kernels.triton_w4a16 import default_tiles, pack_w4a16, use_dense_path, w4a16_matmul
 
     t_end = time.perf_counter() + budget_s
     gen = torch.Generator().manual_seed(0)
@@ -85,14 +87,18 @@ def bench(shapes: dict, batches: list[int], sweep: int, budget_s: float, doc: di
             want = F.linear(x, wd)
             dense_ms = _time_ms(lambda: F.linear(x, wd))
 
-            def run(tiles=None):
-                y = w4a16_matmul(x, wq, tiles=tiles)
+            def run(tiles=None, path=None):
+                y = w4a16_matmul(x, wq, tiles=tiles, dense=path)
                 err = float((y.float() - want.float()).abs().max() / want.float().abs().max())
-                return _time_ms(lambda: w4a16_matmul(x, wq, tiles=tiles)), err
+                return _time_ms(lambda: w4a16_matmul(x, wq, tiles=tiles, dense=path)), err
 
             ms, err = run()
             row = {"shape": name, "n": n, "k": k, "m": m, "dense_ms": dense_ms, "w4a16_ms": ms,
-                   "speedup": dense_ms / ms, "rel_err": err, "tiles": vars(default_tiles(m, n, k))}
+                   "speedup": dense_ms / ms, "rel_err": err, "tiles": vars(default_tiles(m, n, k)),
+                   "path": "dequantize + cuBLAS" if use_dense_path(m, n, k) else "fused"}
+            if m >= 256:  # both paths of w4a16_matmul where the choice is made
+                row["fused_ms"] = run(path=False)[0]
+                row["dequant_cublas_ms"] = run(path=True)[0]
             if sweep:
                 tried = []
                 for t in sweep_tiles(m)[:sweep]:
@@ -110,7 +116,9 @@ def bench(shapes: dict, batches: list[int], sweep: int, budget_s: float, doc: di
                     best = min(ok, key=lambda r: r["ms"])
                     row.update(best_ms=best["ms"], best_tiles=best["tiles"], best_speedup=dense_ms / best["ms"])
             doc["rows"].append(row)
-            print(f"{name:14s} m {m:4d}: bf16 {dense_ms * 1e3:8.1f} us, w4a16 {ms * 1e3:8.1f} us ({dense_ms / ms:.2f}x)"
+            print(f"{name:14s} m {m:4d}: bf16 {dense_ms * 1e3:8.1f} us, w4a16 {ms * 1e3:8.1f} us ({dense_ms / ms:.2f}x, "
+                  f"{row['path']})" + (f", fused {row['fused_ms'] * 1e3:.1f} / dequant+cuBLAS "
+                                       f"{row['dequant_cublas_ms'] * 1e3:.1f} us" if "fused_ms" in row else "")
                   + (f", best {row['best_ms'] * 1e3:8.1f} us ({row['best_speedup']:.2f}x) {row['best_tiles']}"
                      if "best_ms" in row else "") + f", rel err {err:.1e}", flush=True)
             save()
@@ -122,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"of {', '.join(SHAPES)}")
     ap.add_argument("--sweep", action="store_true", help="also time a grid of launch tiles per point")
     ap.add_argument("--time-budget-s", type=float, default=240.0, help="stop starting new points after this")
-    ap.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, batch 1 and 20, a short sweep")
+    ap.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, batch 1, 20 and 256, a short sweep")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -132,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     shapes = {s: SHAPES[s] for s in a.shapes.split(",")}
     batches = [int(b) for b in a.batches.split(",") if b]
     if a.smoke:
-        shapes, batches = {"tiny": (96, 128), "tiny_down": (64, 256)}, [1, 20]
+        shapes, batches = {"tiny": (96, 128), "tiny_down": (64, 256)}, [1, 20, 256]
     doc = {"run": common.run_info("quant_bench", argv, a.smoke), "benchmark": "W4A16 NVFP4 GEMM vs bf16 GEMM",
            "device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu", "dtype": str(DTYPE), "rows": []}
     out = a.out or common.default_out("quant")

@@ -254,3 +254,26 @@ def test_w4a16_rejects_bad_input():
         w4a16_matmul(x, wt, tiles=W4A16Tiles(8, 16))
     with pytest.raises(ValueError, match=r"weight \(8, 4\) torch.uint8, expected uint8 \[N, K/2\] with K a multiple of 16"):
         pack_w4a16(packed[:, :4].contiguous(), block_scale[:, :1].contiguous(), s2)
+
+
+@skip_without_triton_device()
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_dequantize_w4a16_equals_the_reference_dequantisation(dtype):
+    """The large-batch path's weights: from the kernel layout back to ``dequantize_nvfp4``'s values
+    bit for bit (the doc's order), K not a multiple of 64, per-row global scales, negative and zero
+    block scales; a batch from ``DENSE_FROM_M`` rows multiplies by them with torch's GEMM."""
+    from kvserve.kernels import triton_w4a16 as kern
+
+    (packed, block_scale, s2), gen = _quantized(70, 208, 5)
+    block_scale[3, 2] = (-block_scale[3, 2].float()).to(torch.float8_e4m3fn)
+    block_scale[4, 1] = 0.0
+    rows = (s2 * torch.linspace(0.25, 4.0, 70)).contiguous()
+    want = torch.cat([dequantize_nvfp4(packed[i : i + 1], block_scale[i : i + 1], rows[i], dtype) for i in range(70)])
+    wt = kern.pack_w4a16(packed.to(DEV), block_scale.to(DEV), rows.to(DEV))
+    got = kern.dequantize_w4a16(wt, dtype).cpu()
+    assert got.dtype == dtype and torch.equal(got, want)
+    x = torch.randn(9, 208, generator=gen).to(dtype)
+    y = kern.w4a16_matmul(x.to(DEV), wt, dense=True).cpu()
+    assert torch.equal(y, (x.to(DEV) @ want.to(DEV).T).cpu())
+    assert kern.use_dense_path(kern.DENSE_FROM_M, 17408, 5120) and not kern.use_dense_path(kern.DENSE_FROM_M - 1, 17408, 5120)
+    assert not kern.use_dense_path(1 << 20, 248320, 5120)  # an lm_head's bf16 copy (2.5 GB) is never made

@@ -24,6 +24,11 @@ number of programs (stream-K): a program that covers part of a tile writes its f
 the last of a tile's programs to arrive (an atomic counter) sums the partials in program order
 (deterministic) and writes y. With many tiles each program takes whole tiles instead.
 
+**Large batches** (``use_dense_path``: from ``DENSE_FROM_M`` rows, prefill chunks) dequantize the
+weight into a reused buffer (``dequantize_w4a16``, the doc's order: exactly the reference backend's
+weights) and multiply with torch's GEMM; at those sizes the GEMM's time dwarfs the 2 bytes an
+element written once.
+
 The inline PTX runs on CUDA only; the Triton interpreter and fp32 activations take ``_decode_twin``,
 which builds the same values with Triton arithmetic (tests/test_triton_w4a16.py checks the PTX text
 against it bit for bit by emulating each instruction).
@@ -44,6 +49,8 @@ CHUNK = 64  # K elements per chunk: four scale groups, 16 int16 words
 MAG_AT = (6, 3, 0, 9)  # where element j's magnitude bits start in its word
 SIGN_AT = (15, 12, 13, 14)  # and its sign bit
 _LOCKS = 1 << 16  # tile counters per device (stream-K); launches with more tiles take whole tiles
+DENSE_FROM_M = 2048  # batch rows from which the weight is dequantized for cuBLAS (untuned until the H200 sweep)
+DENSE_MAX_BYTES = 1 << 30  # the largest bf16 weight copy that path makes (the 27B's gate | up: 356 MB)
 
 # element pairs -> bf16x2 e2m1 * s_b * 2^-7: $4 = two code words, $5/$7/$9/$11 = the bf16x2 scales of j = 0..3
 _DECODE_BF16 = tl.constexpr("""{
@@ -200,18 +207,54 @@ def default_tiles(m: int, n: int, k: int) -> W4A16Tiles:
 
 
 @triton.jit
-def _decode_twin(w, u, MAG: tl.constexpr, SIGN: tl.constexpr, BYTE: tl.constexpr, DTYPE: tl.constexpr):
-    """Element j of each code word times its block scale, ``e2m1 * s_b * 2^-7`` (exact), in Triton
-    arithmetic: what the PTX of ``_DECODE_*`` computes, for the interpreter and fp32."""
+def _e2m1_value(w, MAG: tl.constexpr, SIGN: tl.constexpr):
+    """fp32 e2m1 value of element j of each code word (its bits at MAG, SIGN)."""
     h = w.to(tl.int32) & 0xFFFF
     mag = (h >> MAG) & 7
     e = mag >> 1
     half_m = (mag & 1).to(tl.float32) * 0.5
     v = tl.where(e == 0, half_m, (1.0 + half_m) * (1 << tl.maximum(e - 1, 0)).to(tl.float32))
-    v = tl.where(((h >> SIGN) & 1) == 1, -v, v)
-    b = (u >> (8 * BYTE)) & 0xFF  # S0E5M3: s_b * 2^7 = 2^(E5 - 15) (1 + M3 / 8)
-    scale = (((b >> 3) + 98) << 23 | (b & 7) << 20).to(tl.float32, bitcast=True)  # s_b * 2^-7
-    return (v * scale[:, None]).to(DTYPE)
+    return tl.where(((h >> SIGN) & 1) == 1, -v, v)
+
+
+@triton.jit
+def _block_scale(u, BYTE: tl.constexpr):
+    """fp32 ``s_b * 2^-7`` from byte BYTE of the int32 of S0E5M3 scales (s_b * 2^7 = 2^(E5 - 15) (1 + M3 / 8))."""
+    b = (u >> (8 * BYTE)) & 0xFF
+    return (((b >> 3) + 98) << 23 | (b & 7) << 20).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _decode_twin(w, u, MAG: tl.constexpr, SIGN: tl.constexpr, BYTE: tl.constexpr, DTYPE: tl.constexpr):
+    """Element j of each code word times its block scale, ``e2m1 * s_b * 2^-7`` (exact), in Triton
+    arithmetic: what the PTX of ``_DECODE_*`` computes, for the interpreter and fp32."""
+    return (_e2m1_value(w, MAG, SIGN) * _block_scale(u, BYTE)[:, None]).to(DTYPE)
+
+
+@triton.jit
+def _dequantize_kernel(w_ptr, s_ptr, g_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_on, BLOCK_N: tl.constexpr):
+    """One chunk of BLOCK_N rows -> ``dtype(e2m1 * (fp32(s_b) * s2))``, the doc's order (as
+    ``quant/nvfp4.dequantize_nvfp4``), natural K order."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    c = tl.program_id(1)
+    ri = tl.arange(0, 16)
+    n_ok = rn < N
+    w = tl.load(w_ptr + rn.to(tl.int64)[:, None] * stride_wn + c * 16 + ri[None, :], mask=n_ok[:, None], other=0)
+    u = tl.load(s_ptr + rn.to(tl.int64) * stride_sn + c, mask=n_ok, other=0)
+    s2 = tl.load(g_ptr + rn, mask=n_ok, other=0.0) * (1.0 / 128.0)  # the row's weight_scale_2 (exact)
+    row = out_ptr + rn.to(tl.int64)[:, None] * stride_on + c * 64 + ri[None, :]
+    for j in tl.static_range(4):
+        if j == 0:
+            v = _e2m1_value(w, 6, 15)
+        elif j == 1:
+            v = _e2m1_value(w, 3, 12)
+        elif j == 2:
+            v = _e2m1_value(w, 0, 13)
+        else:
+            v = _e2m1_value(w, 9, 14)
+        scale = (_block_scale(u, j) * 128.0) * s2  # fp32(s_b) * s2, rounded once in fp32
+        tl.store(row + 16 * j, (v * scale[:, None]).to(out_ptr.dtype.element_ty),
+                 mask=n_ok[:, None] & (c * 64 + 16 * j + ri[None, :] < K))
 
 
 @triton.jit
@@ -335,6 +378,37 @@ def _tile_locks(device: torch.device) -> torch.Tensor:
     return lock
 
 
+def dequantize_w4a16(weight: W4A16Weight, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The weight as ``dtype`` [N, K], equal bit for bit to ``dequantize_nvfp4`` of the checkpoint
+    tensors it was packed from (the large-batch path's operand)."""
+    n, k = weight.out_features, weight.in_features
+    w = out if out is not None else torch.empty((n, k), dtype=dtype, device=weight.codes.device)
+    assert tuple(w.shape) == (n, k) and w.dtype == dtype and w.is_contiguous()
+    grid = (triton.cdiv(n, 64), weight.codes.shape[1] // 16)
+    _dequantize_kernel[grid](weight.codes, weight.scales.view(torch.int32), weight.row_scale, w, n, k,
+                             weight.codes.stride(0), weight.scales.stride(0) // 4, w.stride(0), BLOCK_N=64)
+    return w
+
+
+_scratch: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _dense_scratch(device: torch.device, dtype: torch.dtype, n: int, k: int) -> torch.Tensor:
+    """A reused [n, k] buffer for the dequantized weight of the large-batch path (one per device and
+    dtype, as large as the largest weight seen)."""
+    buf = _scratch.get((device, dtype))
+    if buf is None or buf.numel() < n * k:
+        buf = _scratch[(device, dtype)] = torch.empty(n * k, dtype=dtype, device=device)
+    return buf[: n * k].view(n, k)
+
+
+def use_dense_path(m: int, n: int, k: int) -> bool:
+    """Whether a batch of ``m`` rows dequantizes the weight and runs torch's GEMM (cuBLAS) instead
+    of the fused kernel: from ``DENSE_FROM_M`` rows (prefill chunks, where the GEMM's time dwarfs
+    the dequantisation), for weights whose bf16 copy fits ``DENSE_MAX_BYTES``."""
+    return m >= DENSE_FROM_M and 2 * n * k <= DENSE_MAX_BYTES
+
+
 def _decode_mode(x: torch.Tensor) -> int:
     if x.dtype == torch.float32:
         return 3
@@ -344,10 +418,11 @@ def _decode_mode(x: torch.Tensor) -> int:
 
 
 def w4a16_matmul(x: torch.Tensor, weight: W4A16Weight, out: torch.Tensor | None = None,
-                 tiles: W4A16Tiles | None = None) -> torch.Tensor:
-    """x [..., K] (bf16 / fp16 / fp32, last dim contiguous) @ W^T -> [..., N] in x's dtype, W from
-    ``pack_w4a16`` on x's device. ``tiles`` overrides ``default_tiles`` (tests and tuning); every
-    tiling gives the same product up to the fp32 summation order."""
+                 tiles: W4A16Tiles | None = None, dense: bool | None = None) -> torch.Tensor:
+    """x [..., K] (bf16 / fp16 / fp32) @ W^T -> [..., N] in x's dtype, W from ``pack_w4a16`` on x's
+    device. ``tiles`` overrides ``default_tiles`` (tests and tuning); every tiling gives the same
+    product up to the fp32 summation order. ``dense`` forces the large-batch path on or off (None:
+    ``use_dense_path``), which multiplies by the weights rounded to x's dtype (the reference's)."""
     k, n = weight.in_features, weight.out_features
     if x.shape[-1] != k:
         raise ValueError(f"w4a16_matmul: x [..., {x.shape[-1]}] does not match the weight's in_features {k}")
@@ -361,6 +436,9 @@ def w4a16_matmul(x: torch.Tensor, weight: W4A16Weight, out: torch.Tensor | None 
     if tuple(y.shape) != (m, n) or y.stride(-1) != 1 or y.dtype != x.dtype:
         raise ValueError(f"w4a16_matmul: out {tuple(y.shape)} {y.dtype}, expected {(m, n)} {x.dtype}, rows contiguous")
     if m == 0:
+        return y.reshape(*x.shape[:-1], n)
+    if dense if dense is not None else (tiles is None and use_dense_path(m, n, k)):
+        torch.matmul(x2, dequantize_w4a16(weight, x.dtype, _dense_scratch(x.device, x.dtype, n, k)).t(), out=y)
         return y.reshape(*x.shape[:-1], n)
     t = tiles or default_tiles(m, n, k)
     if t.block_n < 16 or t.block_m < 16 or t.chunks < 1 or t.programs_per_sm < 0:
