@@ -156,15 +156,20 @@ def test_default_model_export_equals_its_dequantized_twin_on_the_golden_set(defa
 
 @skip_without_triton_device()
 @pytest.mark.parametrize("arch,algo", [("llama", "NVFP4"), ("qwen3_5", "MIXED_PRECISION"), ("qwen3_5_moe", "MIXED_PRECISION")])
-def test_nvfp4_layers_run_the_w4a16_gemm_on_the_triton_backend(export, tmp_path, kvlog, arch, algo):
+def test_nvfp4_layers_run_the_w4a16_gemm_on_the_triton_backend(export, tmp_path, kvlog, monkeypatch, arch, algo):
     """Triton backend: every Linear whose checkpoint shards are all NVFP4 keeps its packed tensors
     (per-row global scales) and runs the W4A16 GEMM; FP8, unquantized and mixed fused modules (the
     Qwen3.5 GDN input GEMM: FP8 qkv / z beside bf16 b / a) stay dense. float32: the GEMM sums in
     another order than torch's, so the run is checked as every float32 run is, against transformers'
     float64 run of the dequantized twin (greedy tokens exactly, logprobs within 5x its own float32
-    spread, tests/hf_reference.py)."""
+    spread, tests/hf_reference.py). The large-batch path is lowered to steps of 16 rows (full prefill
+    chunks here), so both paths run: full chunks dequantize for torch's GEMM, decode rows and
+    shorter chunks take the fused kernel; its buffer is made at start-up."""
     from hf_reference import hf_greedy_reference
 
+    from kvserve.kernels import triton_w4a16
+
+    monkeypatch.setattr(triton_w4a16, "DENSE_FROM_M", 16)  # = max_num_batched_tokens of _run
     folder = export(arch, algo, kv=None)  # a float32 KV cache, as the reference
     got, params = _run(folder, "float32", "auto", attention_backend="triton")
     ref = hf_greedy_reference(_dense_twin(folder, tmp_path / "twin"), PROMPTS, (MAX_TOKENS,) * len(PROMPTS))
@@ -177,6 +182,13 @@ def test_nvfp4_layers_run_the_w4a16_gemm_on_the_triton_backend(export, tmp_path,
         assert not any("in_proj" in m or "self_attn" in m for m in nvfp4)
     line = [m for m in kvlog.messages() if m.startswith(f"ModelOpt {algo} weights (")]
     assert len(line) == 1 and f": {len(nvfp4)} layer(s) keep NVFP4 and run the W4A16 GEMM" in line[0]
+    sizes = [m for m in kvlog.messages() if m.startswith("Quantized weights: ")]
+    nvfp4_bytes = sum(params[f"{m}.{part}"].numel() * params[f"{m}.{part}"].element_size() for m in nvfp4
+                      for part in ("codes", "scales", "row_scale"))
+    assert len(sizes) == 1 and f"{len(nvfp4)} NVFP4 layer(s) {nvfp4_bytes / (1 << 30):.2f} GiB" in sizes[0], sizes
+    # its buffer (float32 here) is as large as the largest NVFP4 weight (the codes pad K to 64: <= 63 columns more)
+    largest = max(p.shape[0] * (p.shape[1] * 4 - 63) * 4 for n, p in params.items() if n.endswith(".codes"))
+    assert float(sizes[0].rsplit("large-batch buffer ", 1)[1].split()[0]) * (1 << 20) >= largest * 0.999
     kinds = {"llama": "lm_head none, mlp.down_proj NVFP4, mlp.gate_up_proj NVFP4, self_attn.o_proj NVFP4, self_attn.qkv_proj NVFP4",
              "qwen3_5": "linear_attn.in_proj_qkvzba FP8+none, linear_attn.out_proj FP8, lm_head W4A16_NVFP4, "
                         "mlp.down_proj W4A16_NVFP4, mlp.gate_up_proj W4A16_NVFP4, self_attn.o_proj FP8, "

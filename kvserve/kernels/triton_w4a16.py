@@ -402,6 +402,14 @@ def _dense_scratch(device: torch.device, dtype: torch.dtype, n: int, k: int) -> 
     return buf[: n * k].view(n, k)
 
 
+def reserve_dense_buffer(device: torch.device, dtype: torch.dtype, n: int, k: int) -> int:
+    """Make the large-batch buffer for an [n, k] weight now (at start-up, before the memory plan);
+    returns its bytes."""
+    _dense_scratch(device, dtype, n, k)
+    buf = _scratch[(device, dtype)]
+    return buf.numel() * buf.element_size()
+
+
 def use_dense_path(m: int, n: int, k: int) -> bool:
     """Whether a batch of ``m`` rows dequantizes the weight and runs torch's GEMM (cuBLAS) instead
     of the fused kernel: from ``DENSE_FROM_M`` rows (prefill chunks, where the GEMM's time dwarfs

@@ -148,15 +148,36 @@ def _reciprocal(s: torch.Tensor) -> torch.Tensor:
     return (torch.ones((), dtype=torch.float32) / s.detach().float().cpu()).to(s.device)
 
 
-def finalize_quantized_model(model: nn.Module) -> None:
+def finalize_quantized_model(model: nn.Module, max_batch_tokens: int, dtype: torch.dtype) -> None:
     """After loading: every FP8Linear's scales settled (``FP8Linear.finalize``), every NVFP4Linear
-    repacked for its kernel (``NVFP4Linear.finalize``); a malformed one names its module."""
+    repacked for its kernel (``NVFP4Linear.finalize``; a malformed one names its module), and the
+    W4A16 large-batch buffer made now when a step of ``max_batch_tokens`` can use it, so the memory
+    planner counts it. Logs the quantized weights' bytes once."""
+    from kvserve.kernels.triton_w4a16 import reserve_dense_buffer, use_dense_path
+
     for name, m in model.named_modules():
         if isinstance(m, (FP8Linear, NVFP4Linear)) and not m.finalized:
             try:
                 m.finalize()
             except ValueError as e:
                 raise ValueError(f"{name}: {e}") from None
+    nvfp4 = [m for m in model.modules() if isinstance(m, NVFP4Linear)]
+    fp8 = [m for m in model.modules() if isinstance(m, FP8Linear)]
+    if not nvfp4 and not fp8:
+        return
+    dense = [m for m in nvfp4 if use_dense_path(max_batch_tokens, m.out_features, m.in_features)]
+    buffer = 0
+    if dense:
+        big = max(dense, key=lambda m: m.out_features * m.in_features)
+        buffer = reserve_dense_buffer(big.codes.device, dtype, big.out_features, big.in_features)
+
+    def gib(mods: list[nn.Module]) -> float:
+        return sum(p.numel() * p.element_size() for m in mods for p in m.parameters()) / (1 << 30)
+
+    logger.info(
+        "Quantized weights: %d NVFP4 layer(s) %.2f GiB (W4A16 layout), %d FP8 layer(s) %.2f GiB; W4A16 "
+        "large-batch buffer %.1f MiB", len(nvfp4), gib(nvfp4), len(fp8), gib(fp8), buffer / (1 << 20),
+    )
 
 
 def _checkpoint_shards(name: str, stacked: dict[str, tuple[str, int]]) -> list[str]:

@@ -106,7 +106,8 @@ class ModelRunner:
         if quantized:
             from kvserve.layers.quant_linear import finalize_quantized_model
 
-            finalize_quantized_model(self.model)  # after loading or the dummy fill
+            # after loading or the dummy fill, before the memory plan (the W4A16 large-batch buffer)
+            finalize_quantized_model(self.model, self.config.scheduler_config.max_num_batched_tokens, mc.dtype)
         scales.finish(self.kv_dtype)
         self.model.eval()
         logger.info(
