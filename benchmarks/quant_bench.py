@@ -64,8 +64,9 @@ def sweep_tiles(m: int) -> list:
     if m <= 64:
         return [W4A16Tiles(128, bm, ch, w, 3, pps) for bm in (64, 32) for w in (4, 8) for ch in (2, 1)
                 for pps in (2, 4, 1)]
-    return [W4A16Tiles(bn, bm, ch, 8, st, pps) for bm in (128, 64) for bn in (128, 256) if bn * bm <= 128 * 128
-            for ch in (1, 2) for st in (3, 2) for pps in (0, 2, 3)]
+    return ([W4A16Tiles(bn, bm, ch, 8, st, pps) for bm in (128, 64) for bn in (128, 256) if bn * bm <= 128 * 128
+             for ch in (1, 2) for st in (3, 2) for pps in (3, 0, 2)]
+            + [W4A16Tiles(bn, 256, 1, w, st, pps) for bn, w in ((64, 4), (128, 8)) for st in (2, 3) for pps in (3, 1)])
 
 
 def bench(shapes: dict, batches: list[int], sweep: int, budget_s: float, doc: dict, save) -> None:
