@@ -1,7 +1,7 @@
 """The fused Triton layer kernels (kernels/triton_layers.py) against their torch twins in layers/:
 RMSNorm and the zero-centred RMSNorm (plain, with residual, per head over a strided q view), rotary
-(full and partial) and SiLU-and-mul, bf16 and fp16 (fp32 for the function), on fresh random inputs.
-CPU: interpreter."""
+(full and partial), SiLU-and-mul and the FP8 static activation quantisation, bf16 and fp16 (fp32 for
+the function), on fresh random inputs. CPU: interpreter."""
 
 from __future__ import annotations
 
@@ -149,6 +149,26 @@ def test_silu_and_mul_matches_torch(dtype, n):
     x = (torch.randn(9, 2 * n, generator=g) * 4).to(DEV, dtype)
     gate, up = x.split(n, dim=-1)
     _close(silu_and_mul(x), F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 5120), (37, 96), (3, 1500)])
+def test_fp8_static_quant_equals_torch_bit_for_bit(dtype, shape):
+    """The FP8 layers' activation quantisation against ``quantize_fp8_static`` (vLLM's formula): every
+    byte equal, values past +-448 clamped, NaN kept, infinities saturated; several sizes around the
+    1024-element block."""
+    from kvserve.kernels.triton_layers import fp8_static_quant
+    from kvserve.quant.nvfp4 import quantize_fp8_static
+
+    g = torch.Generator().manual_seed(shape[0])
+    x = (torch.randn(shape, generator=g) * 300).to(dtype)
+    x.view(-1)[:4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e4]).to(dtype)
+    inv = torch.tensor([1 / 0.37], dtype=torch.float32)
+    want = quantize_fp8_static(x, inv)
+    got = fp8_static_quant(x.to(DEV), inv.to(DEV)).cpu()
+    assert got.dtype == torch.float8_e4m3fn and got.shape == x.shape
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    assert bool((want.float().abs() == 448).any()) and bool(torch.isnan(got.float()).view(-1)[0])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

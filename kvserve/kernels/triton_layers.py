@@ -1,6 +1,6 @@
 """Triton kernels for the small per-layer ops of a decode step: (residual add +) RMSNorm, the gated
-RMSNorm of the GDN output, rotary embedding and SiLU-and-mul, each one launch instead of 3-10
-torch kernels.
+RMSNorm of the GDN output, rotary embedding, SiLU-and-mul and the FP8 layers' static activation
+quantisation, each one launch instead of 3-10 torch kernels.
 
 Each reproduces its torch twin in ``layers/`` rounding for rounding (the model-dtype add, fp32
 statistics, a rounding to the model dtype before the weight multiply (none for the zero-centred
@@ -186,3 +186,25 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         block = min(1024, triton.next_power_of_2(n))
         _silu_mul_kernel[(t, triton.cdiv(n, block))](x, out, n, x.stride(0), out.stride(0), BLOCK=block, num_warps=4)
     return out
+
+
+@triton.jit
+def _fp8_static_quant_kernel(x_ptr, inv_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    """out = e4m3(clamp(float32(x) * inv_scale, +-448)), NaN kept (torch's clamp)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    v = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32) * tl.load(inv_ptr)
+    v = tl.where(v != v, v, tl.minimum(tl.maximum(v, -448.0), 448.0))
+    tl.store(out_ptr + offs, v.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True), mask=m)
+
+
+def fp8_static_quant(x: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor:
+    """``quant/nvfp4.quantize_fp8_static`` in one launch: x (contiguous) -> float8_e4m3fn of its shape,
+    ``inv_scale`` a 1-element fp32 tensor on x's device."""
+    assert x.is_contiguous() and inv_scale.numel() == 1
+    out = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+    n = x.numel()
+    if n:
+        block = 1024
+        _fp8_static_quant_kernel[(triton.cdiv(n, block),)](x, inv_scale, out, n, BLOCK=block, num_warps=4)
+    return out.view(torch.float8_e4m3fn)

@@ -13,8 +13,8 @@ shard's ``weight_scale`` and static ``input_scale`` once per output row; ``final
 vLLM's ``process_weights_after_loading`` does: shards with different weight scales requantized to
 the largest (``requantize_with_max_scale``: ``fp16(w) * fp16(s)`` in fp16, then
 ``fp8(clamp(x * (1 / s_max)))``), one input scale (the largest). The forward quantizes x with it
-(``fp8(clamp(float(x) * (1 / s_in), +-448))``, vLLM's static ``scaled_fp8_quant``) and runs
-``torch._scaled_mm`` (fp32 accumulation, both scales applied once). Swapped in on the devices of
+(``fp8(clamp(float(x) * (1 / s_in), +-448))``, vLLM's static ``scaled_fp8_quant``; one Triton launch
+on CUDA) and runs ``torch._scaled_mm`` (fp32 accumulation, both scales applied once). Swapped in on the devices of
 ``FP8_GEMM_DEVICES`` (CUDA) for every Linear whose shards are all FP8. The others (unquantized,
 mixed fused modules, FP8 off CUDA) stay dense and take the dequantized weights
 (``loader/quantized_weights.py``)."""
@@ -125,7 +125,13 @@ class FP8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         assert self.finalized, "FP8Linear.finalize() runs after loading"
         x2 = x.reshape(-1, self.in_features)
-        y = torch._scaled_mm(quantize_fp8_static(x2, self.inv_input_scale), self.weight.t(),
+        if x2.is_cuda:  # one launch (kernels/triton_layers.py), bit-equal to the torch formula
+            from kvserve.kernels.triton_layers import fp8_static_quant
+
+            xq = fp8_static_quant(x2.contiguous(), self.inv_input_scale)
+        else:
+            xq = quantize_fp8_static(x2, self.inv_input_scale)
+        y = torch._scaled_mm(xq, self.weight.t(),
                              scale_a=self.input_scale, scale_b=self.weight_scale, out_dtype=x.dtype)
         if self.bias is not None:
             y = y + self.bias
