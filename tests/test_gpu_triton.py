@@ -84,3 +84,34 @@ def test_async_scheduling_equals_sync_with_graphs(make_tiny_model, kv):
     sync, asyn = run(False), run(True)
     assert asyn == sync
     assert any(r == "stop" for _, r in sync)
+
+
+def _nvfp4_export(make_tiny_model, tmp_path, arch: str, **cfg):
+    from kvserve.tools.modelopt_export import export_modelopt
+
+    return export_modelopt(make_tiny_model(arch, seed=3, **cfg), tmp_path / f"{arch}-nvfp4", "NVFP4",
+                           kv_cache_quant_algo=None, calibration_tokens=32)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_w4a16_with_graphs_gives_the_reference_backends_tokens_fp32(make_tiny_model, tmp_path, arch):
+    """An NVFP4 export on the triton backend (every all-NVFP4 Linear on the W4A16 GEMM, decode in CUDA
+    graphs, stream-K tile counters inside them) gives the reference backend's tokens, which
+    multiply by the same weights dequantized once (float32: only the summation order differs)."""
+    folder = _nvfp4_export(make_tiny_model, tmp_path, arch)
+    ref = _tokens(_llm(folder, dtype="float32", attention_backend="reference"))
+    llm = _llm(folder, dtype="float32")
+    assert llm.llm_engine.runner.backend == "triton" and llm.llm_engine.runner.graphs is not None
+    from kvserve.layers.quant_linear import NVFP4Linear
+
+    assert any(isinstance(m, NVFP4Linear) for m in llm.llm_engine.runner.model.modules())
+    assert _tokens(llm) == ref
+
+
+def test_w4a16_graphs_equal_eager_bf16(make_tiny_model, tmp_path):
+    """bf16: the W4A16 GEMM's PTX decode replayed in CUDA graphs gives eager's tokens (the stream-K
+    parts are summed in program order, so replays are deterministic)."""
+    folder = _nvfp4_export(make_tiny_model, tmp_path, "llama", num_attention_heads=8, num_key_value_heads=2,
+                           hidden_size=256, head_dim=128)
+    eager = _tokens(_llm(folder, dtype="bfloat16", enforce_eager=True))
+    assert _tokens(_llm(folder, dtype="bfloat16")) == eager
