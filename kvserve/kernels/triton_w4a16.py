@@ -260,6 +260,69 @@ def _dequantize_kernel(w_ptr, s_ptr, g_ptr, out_ptr, N, K, stride_wn, stride_sn,
 
 
 @triton.jit
+def _chunk(acc, w_rows, s_rows, x_cols, c, K, n_ok, m_ok, BLOCK_N: tl.constexpr, DECODE: tl.constexpr,
+           EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
+    """acc += chunk c of W (rows at ``w_rows`` / ``s_rows``) times x^T (columns at ``x_cols``): the
+    four k16 steps, each a decode and an MMA."""
+    ri = tl.arange(0, 16)
+    if EVEN_N:
+        w = tl.load(w_rows + c * 16)  # [BLOCK_N, 16] int16
+        sc = tl.load(s_rows + c)  # [BLOCK_N] int32: 4 S0E5M3 bytes
+    else:
+        w = tl.load(w_rows + c * 16, mask=n_ok[:, None], other=0)
+        sc = tl.load(s_rows + c, mask=n_ok, other=0)
+    xm = m_ok[None, :]
+    if EVEN_K:
+        x0 = tl.load(x_cols + c * 64, mask=xm, other=0.0)  # [16, BLOCK_M]
+        x1 = tl.load(x_cols + c * 64 + 16, mask=xm, other=0.0)
+        x2 = tl.load(x_cols + c * 64 + 32, mask=xm, other=0.0)
+        x3 = tl.load(x_cols + c * 64 + 48, mask=xm, other=0.0)
+    else:
+        k0 = c * 64 + ri[:, None]
+        x0 = tl.load(x_cols + c * 64, mask=xm & (k0 < K), other=0.0)
+        x1 = tl.load(x_cols + c * 64 + 16, mask=xm & (k0 + 16 < K), other=0.0)
+        x2 = tl.load(x_cols + c * 64 + 32, mask=xm & (k0 + 32 < K), other=0.0)
+        x3 = tl.load(x_cols + c * 64 + 48, mask=xm & (k0 + 48 < K), other=0.0)
+    if DECODE == 1:
+        s0, s1, s2, s3 = tl.inline_asm_elementwise(
+            _SCALES_BF16, "=r,=r,=r,=r,r", [sc], dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+            is_pure=True, pack=1)
+        w0, w1, w2, w3 = tl.inline_asm_elementwise(
+            _DECODE_BF16, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r",
+            [w, s0[:, None].broadcast_to(BLOCK_N, 16), s1[:, None].broadcast_to(BLOCK_N, 16),
+             s2[:, None].broadcast_to(BLOCK_N, 16), s3[:, None].broadcast_to(BLOCK_N, 16)],
+            dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16), is_pure=True, pack=2)
+        acc = tl.dot(w0, x0, acc)
+        acc = tl.dot(w1, x1, acc)
+        acc = tl.dot(w2, x2, acc)
+        acc = tl.dot(w3, x3, acc)
+    elif DECODE == 2:
+        s0, s1, s2, s3 = tl.inline_asm_elementwise(
+            _SCALES_FP16, "=r,=r,=r,=r,r", [sc], dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+            is_pure=True, pack=1)
+        w0, w1, w2, w3 = tl.inline_asm_elementwise(
+            _DECODE_FP16, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r",
+            [w, s0[:, None].broadcast_to(BLOCK_N, 16), s1[:, None].broadcast_to(BLOCK_N, 16),
+             s2[:, None].broadcast_to(BLOCK_N, 16), s3[:, None].broadcast_to(BLOCK_N, 16)],
+            dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=2)
+        acc = tl.dot(w0, x0, acc)
+        acc = tl.dot(w1, x1, acc)
+        acc = tl.dot(w2, x2, acc)
+        acc = tl.dot(w3, x3, acc)
+    elif DECODE == 3:
+        acc = tl.dot(_decode_twin(w, sc, 6, 15, 0, tl.float32), x0, acc, input_precision="ieee")
+        acc = tl.dot(_decode_twin(w, sc, 3, 12, 1, tl.float32), x1, acc, input_precision="ieee")
+        acc = tl.dot(_decode_twin(w, sc, 0, 13, 2, tl.float32), x2, acc, input_precision="ieee")
+        acc = tl.dot(_decode_twin(w, sc, 9, 14, 3, tl.float32), x3, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(_decode_twin(w, sc, 6, 15, 0, x_cols.dtype.element_ty), x0, acc)
+        acc = tl.dot(_decode_twin(w, sc, 3, 12, 1, x_cols.dtype.element_ty), x1, acc)
+        acc = tl.dot(_decode_twin(w, sc, 0, 13, 2, x_cols.dtype.element_ty), x2, acc)
+        acc = tl.dot(_decode_twin(w, sc, 9, 14, 3, x_cols.dtype.element_ty), x3, acc)
+    return acc
+
+
+@triton.jit
 def _w4a16_kernel(
     x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, part_ptr, lock_ptr,
     M, N, K, n_chunks, tiles_n, units, programs,
@@ -289,60 +352,7 @@ def _w4a16_kernel(
         x_cols = x_ptr + rm.to(tl.int64)[None, :] * stride_xm + ri[:, None]
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for c in tl.range(c_begin, c_end, loop_unroll_factor=CHUNKS):
-            if EVEN_N:
-                w = tl.load(w_rows + c * 16)  # [BLOCK_N, 16] int16
-                sc = tl.load(s_rows + c)  # [BLOCK_N] int32: 4 S0E5M3 bytes
-            else:
-                w = tl.load(w_rows + c * 16, mask=n_ok[:, None], other=0)
-                sc = tl.load(s_rows + c, mask=n_ok, other=0)
-            xm = m_ok[None, :]
-            if EVEN_K:
-                x0 = tl.load(x_cols + c * 64, mask=xm, other=0.0)  # [16, BLOCK_M]
-                x1 = tl.load(x_cols + c * 64 + 16, mask=xm, other=0.0)
-                x2 = tl.load(x_cols + c * 64 + 32, mask=xm, other=0.0)
-                x3 = tl.load(x_cols + c * 64 + 48, mask=xm, other=0.0)
-            else:
-                k0 = c * 64 + ri[:, None]
-                x0 = tl.load(x_cols + c * 64, mask=xm & (k0 < K), other=0.0)
-                x1 = tl.load(x_cols + c * 64 + 16, mask=xm & (k0 + 16 < K), other=0.0)
-                x2 = tl.load(x_cols + c * 64 + 32, mask=xm & (k0 + 32 < K), other=0.0)
-                x3 = tl.load(x_cols + c * 64 + 48, mask=xm & (k0 + 48 < K), other=0.0)
-            if DECODE == 1:
-                s0, s1, s2, s3 = tl.inline_asm_elementwise(
-                    _SCALES_BF16, "=r,=r,=r,=r,r", [sc], dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
-                    is_pure=True, pack=1)
-                w0, w1, w2, w3 = tl.inline_asm_elementwise(
-                    _DECODE_BF16, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r",
-                    [w, s0[:, None].broadcast_to(BLOCK_N, 16), s1[:, None].broadcast_to(BLOCK_N, 16),
-                     s2[:, None].broadcast_to(BLOCK_N, 16), s3[:, None].broadcast_to(BLOCK_N, 16)],
-                    dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16), is_pure=True, pack=2)
-                acc = tl.dot(w0, x0, acc)
-                acc = tl.dot(w1, x1, acc)
-                acc = tl.dot(w2, x2, acc)
-                acc = tl.dot(w3, x3, acc)
-            elif DECODE == 2:
-                s0, s1, s2, s3 = tl.inline_asm_elementwise(
-                    _SCALES_FP16, "=r,=r,=r,=r,r", [sc], dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
-                    is_pure=True, pack=1)
-                w0, w1, w2, w3 = tl.inline_asm_elementwise(
-                    _DECODE_FP16, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r",
-                    [w, s0[:, None].broadcast_to(BLOCK_N, 16), s1[:, None].broadcast_to(BLOCK_N, 16),
-                     s2[:, None].broadcast_to(BLOCK_N, 16), s3[:, None].broadcast_to(BLOCK_N, 16)],
-                    dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=2)
-                acc = tl.dot(w0, x0, acc)
-                acc = tl.dot(w1, x1, acc)
-                acc = tl.dot(w2, x2, acc)
-                acc = tl.dot(w3, x3, acc)
-            elif DECODE == 3:
-                acc = tl.dot(_decode_twin(w, sc, 6, 15, 0, tl.float32), x0, acc, input_precision="ieee")
-                acc = tl.dot(_decode_twin(w, sc, 3, 12, 1, tl.float32), x1, acc, input_precision="ieee")
-                acc = tl.dot(_decode_twin(w, sc, 0, 13, 2, tl.float32), x2, acc, input_precision="ieee")
-                acc = tl.dot(_decode_twin(w, sc, 9, 14, 3, tl.float32), x3, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(_decode_twin(w, sc, 6, 15, 0, x_ptr.dtype.element_ty), x0, acc)
-                acc = tl.dot(_decode_twin(w, sc, 3, 12, 1, x_ptr.dtype.element_ty), x1, acc)
-                acc = tl.dot(_decode_twin(w, sc, 0, 13, 2, x_ptr.dtype.element_ty), x2, acc)
-                acc = tl.dot(_decode_twin(w, sc, 9, 14, 3, x_ptr.dtype.element_ty), x3, acc)
+            acc = _chunk(acc, w_rows, s_rows, x_cols, c, K, n_ok, m_ok, BLOCK_N, DECODE, EVEN_N, EVEN_K)
         g = tl.load(g_ptr + rn, mask=n_ok, other=0.0)
         y_at = y_ptr + rm.to(tl.int64)[None, :] * stride_ym + rn[:, None]
         y_ok = n_ok[:, None] & m_ok[None, :]
