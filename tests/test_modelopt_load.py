@@ -158,7 +158,8 @@ def test_default_model_export_equals_its_dequantized_twin_on_the_golden_set(defa
 @pytest.mark.parametrize("arch,algo", [("llama", "NVFP4"), ("qwen3_5", "MIXED_PRECISION"), ("qwen3_5_moe", "MIXED_PRECISION")])
 def test_nvfp4_layers_run_the_w4a16_gemm_on_the_triton_backend(export, tmp_path, kvlog, monkeypatch, arch, algo):
     """Triton backend: every Linear whose checkpoint shards are all NVFP4 keeps its packed tensors
-    (per-row global scales) and runs the W4A16 GEMM; FP8, unquantized and mixed fused modules (the
+    (per-row global scales) and runs the W4A16 GEMM, the MoE's routed experts the grouped W4A16
+    GEMM; FP8, unquantized and mixed fused modules (the
     Qwen3.5 GDN input GEMM: FP8 qkv / z beside bf16 b / a) stay dense. float32: the GEMM sums in
     another order than torch's, so the run is checked as every float32 run is, against transformers'
     float64 run of the dequantized twin (greedy tokens exactly, logprobs within 5x its own float32
@@ -174,14 +175,18 @@ def test_nvfp4_layers_run_the_w4a16_gemm_on_the_triton_backend(export, tmp_path,
     got, params = _run(folder, "float32", "auto", attention_backend="triton")
     ref = hf_greedy_reference(_dense_twin(folder, tmp_path / "twin"), PROMPTS, (MAX_TOKENS,) * len(PROMPTS))
     ref.check([t for t, _ in got], [lp for _, lp in got])
-    nvfp4 = {n.rsplit(".", 1)[0] for n, p in params.items() if p.dtype == torch.int16}  # repacked codes
+    nvfp4 = {n.rsplit(".", 1)[0] for n, p in params.items() if n.endswith(".codes")}  # repacked NVFP4Linear codes
     assert nvfp4 and all(params[f"{m}.row_scale"].shape == (params[f"{m}.codes"].shape[0],) for m in nvfp4)
+    experts = {n.rsplit(".", 1)[0] for n, p in params.items() if n.endswith(".gate_up_proj_codes")}
+    assert bool(experts) == (arch == "qwen3_5_moe")  # routed experts kept NVFP4 (the grouped W4A16 GEMM)
+    assert all(params[f"{m}.down_proj_codes"].dtype == torch.int16 for m in experts)
     assert not any(n.endswith(("weight_scale", "weight_scale_2")) for n in params)  # the checkpoint layout freed
     if algo == "MIXED_PRECISION":  # the recipe: MLPs NVFP4, attention and GDN projections FP8 -> dense
         assert all(".mlp." in m or m == "lm_head" for m in nvfp4)
         assert not any("in_proj" in m or "self_attn" in m for m in nvfp4)
     line = [m for m in kvlog.messages() if m.startswith(f"ModelOpt {algo} weights (")]
     assert len(line) == 1 and f": {len(nvfp4)} layer(s) keep NVFP4 and run the W4A16 GEMM" in line[0]
+    assert (f"(and {len(experts)} routed-expert group(s) the grouped W4A16 GEMM)" in line[0]) == bool(experts)
     sizes = [m for m in kvlog.messages() if m.startswith("Quantized weights: ")]
     nvfp4_bytes = sum(params[f"{m}.{part}"].numel() * params[f"{m}.{part}"].element_size() for m in nvfp4
                       for part in ("codes", "scales", "row_scale"))

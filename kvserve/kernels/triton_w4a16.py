@@ -129,7 +129,7 @@ shl.b32 $3, t, 7;
 class W4A16Weight:
     """An NVFP4 weight in the kernel layout (module docstring): ``codes`` int16 [N, 16 C],
     ``scales`` uint8 [N, 4 C] (S0E5M3), ``row_scale`` fp32 [N] (global scale x 2^7); C = K / 64
-    rounded up (padding decodes to 0)."""
+    rounded up (padding decodes to 0). Routed experts stack E of them: [E, N, ...] and [E, N]."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -138,13 +138,23 @@ class W4A16Weight:
 
     @property
     def out_features(self) -> int:
-        return self.codes.shape[0]
+        return self.codes.shape[-2]
 
 
 def pack_w4a16(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor) -> W4A16Weight:
     """A ModelOpt NVFP4 weight (``weight`` uint8 [N, K/2], ``weight_scale`` float8_e4m3fn [N, K/16],
     ``weight_scale_2`` fp32, 1 or N values) -> the kernel layout, on the same device. Exact: a
-    negative block scale flips its codes' signs, a zero one zeroes its codes; NaN scales are refused."""
+    negative block scale flips its codes' signs, a zero one zeroes its codes; NaN scales are refused.
+    Stacked experts: [E, N, K/2], [E, N, K/16] and [E, N] (one global scale a row)."""
+    if packed.dim() == 3:
+        e, n, half_k = packed.shape
+        if tuple(block_scale.shape[:2]) != (e, n) or tuple(global_scale.shape) != (e, n):
+            raise ValueError(f"pack_w4a16: stacked weight {tuple(packed.shape)} needs weight_scale [{e}, {n}, K/16] "
+                             f"and weight_scale_2 [{e}, {n}], got {tuple(block_scale.shape)} and "
+                             f"{tuple(global_scale.shape)}")
+        flat = pack_w4a16(packed.reshape(e * n, half_k), block_scale.reshape(e * n, -1), global_scale.reshape(e * n))
+        return W4A16Weight(flat.codes.view(e, n, -1), flat.scales.view(e, n, -1), flat.row_scale.view(e, n),
+                           flat.in_features)
     n, half_k = packed.shape
     k = 2 * half_k
     if packed.dtype != torch.uint8 or k % NVFP4_GROUP_SIZE:
@@ -482,3 +492,66 @@ def w4a16_matmul(x: torch.Tensor, weight: W4A16Weight, out: torch.Tensor | None 
         num_warps=t.num_warps, num_stages=t.num_stages,
     )
     return y.reshape(*x.shape[:-1], n)
+
+
+@triton.jit
+def _w4a16_grouped_kernel(
+    x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, ids_ptr, expert_ptr,
+    N, K, n_chunks, num_experts,
+    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_ge, stride_ym,
+    ROW_DIV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, CHUNKS: tl.constexpr,
+    DECODE: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    """Block b of BLOCK_M routed rows, all for expert ``expert[b]`` (>= num_experts: an empty block):
+    y[row] = x[row // ROW_DIV] @ W_e^T for the rows ``ids[b * BLOCK_M:]`` (-1: padding)."""
+    b = tl.program_id(1)
+    e = tl.load(expert_ptr + b)
+    if e < num_experts:
+        ri = tl.arange(0, 16)
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        ids = tl.load(ids_ptr + b * BLOCK_M + tl.arange(0, BLOCK_M))
+        n_ok, m_ok = rn < N, ids >= 0
+        x_rows = tl.where(m_ok, ids // ROW_DIV, 0).to(tl.int64)
+        w_rows = w_ptr + e.to(tl.int64) * stride_we + rn.to(tl.int64)[:, None] * stride_wn + ri[None, :]
+        s_rows = s_ptr + e.to(tl.int64) * stride_se + rn.to(tl.int64) * stride_sn
+        x_cols = x_ptr + x_rows[None, :] * stride_xm + ri[:, None]
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for c in tl.range(0, n_chunks, loop_unroll_factor=CHUNKS):
+            acc = _chunk(acc, w_rows, s_rows, x_cols, c, K, n_ok, m_ok, BLOCK_N, DECODE, EVEN_N, EVEN_K)
+        g = tl.load(g_ptr + e.to(tl.int64) * stride_ge + rn, mask=n_ok, other=0.0)
+        y_at = y_ptr + tl.where(m_ok, ids, 0).to(tl.int64)[None, :] * stride_ym + rn[:, None]
+        tl.store(y_at, (acc * g[:, None]).to(y_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
+
+
+def w4a16_grouped_matmul(x: torch.Tensor, weight: W4A16Weight, ids: torch.Tensor, block_expert: torch.Tensor,
+                         block_m: int, rows_per_x: int, out: torch.Tensor) -> torch.Tensor:
+    """Routed experts: ``out[r] = x[r // rows_per_x] @ W_e^T`` for every row r listed in ``ids``
+    (int32, blocks of ``block_m`` rows of one expert each, -1 padding; ``block_expert`` int32 the
+    expert of each block, ``E`` for an empty one; ``moe_align`` in ``layers/quant_experts.py`` makes
+    both on the device). ``weight`` stacks E experts; ``out`` [rows, N] in x's dtype; rows not
+    listed are left as they are. One launch, no host sync: graph-capturable."""
+    k, n = weight.in_features, weight.out_features
+    num_experts = weight.codes.shape[0]
+    if weight.codes.dim() != 3 or x.shape[-1] != k or x.dim() != 2:
+        raise ValueError(f"w4a16_grouped_matmul: x {tuple(x.shape)} and stacked experts {tuple(weight.codes.shape)} "
+                         f"(in_features {k}) do not match")
+    if ids.dtype != torch.int32 or block_expert.dtype != torch.int32 or ids.numel() != block_expert.numel() * block_m:
+        raise ValueError(f"w4a16_grouped_matmul: ids {tuple(ids.shape)} {ids.dtype} and block_expert "
+                         f"{tuple(block_expert.shape)} {block_expert.dtype}: int32, {block_m} ids a block")
+    if out.dim() != 2 or out.shape[1] != n or out.dtype != x.dtype or out.stride(-1) != 1:
+        raise ValueError(f"w4a16_grouped_matmul: out {tuple(out.shape)} {out.dtype}, expected [rows, {n}] {x.dtype}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if block_expert.numel() == 0:
+        return out
+    block_n = 128 if n >= 128 else 64 if n >= 64 else 16
+    grid = (triton.cdiv(n, block_n), block_expert.numel())
+    _w4a16_grouped_kernel[grid](
+        x, weight.codes, weight.scales.view(torch.int32), weight.row_scale, out, ids, block_expert,
+        n, k, weight.codes.shape[-1] // 16, num_experts,
+        x.stride(0), weight.codes.stride(0), weight.codes.stride(1), weight.scales.stride(0) // 4,
+        weight.scales.stride(1) // 4, weight.row_scale.stride(0), out.stride(0),
+        ROW_DIV=rows_per_x, BLOCK_N=block_n, BLOCK_M=block_m, CHUNKS=2, DECODE=_decode_mode(x),
+        EVEN_N=n % block_n == 0, EVEN_K=k % CHUNK == 0, num_warps=4 if block_m <= 32 else 8, num_stages=3,
+    )
+    return out

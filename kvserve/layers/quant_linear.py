@@ -161,15 +161,18 @@ def finalize_quantized_model(model: nn.Module, max_batch_tokens: int, dtype: tor
     planner counts it. Logs the quantized weights' bytes once."""
     from kvserve.kernels.triton_w4a16 import reserve_dense_buffer, use_dense_path
 
+    from kvserve.layers.quant_experts import NVFP4Experts
+
     for name, m in model.named_modules():
-        if isinstance(m, (FP8Linear, NVFP4Linear)) and not m.finalized:
+        if isinstance(m, (FP8Linear, NVFP4Linear, NVFP4Experts)) and not m.finalized:
             try:
                 m.finalize()
             except ValueError as e:
                 raise ValueError(f"{name}: {e}") from None
     nvfp4 = [m for m in model.modules() if isinstance(m, NVFP4Linear)]
+    experts = [m for m in model.modules() if isinstance(m, NVFP4Experts)]
     fp8 = [m for m in model.modules() if isinstance(m, FP8Linear)]
-    if not nvfp4 and not fp8:
+    if not nvfp4 and not fp8 and not experts:
         return
     dense = [m for m in nvfp4 if use_dense_path(max_batch_tokens, m.out_features, m.in_features)]
     buffer = 0
@@ -181,8 +184,9 @@ def finalize_quantized_model(model: nn.Module, max_batch_tokens: int, dtype: tor
         return sum(p.numel() * p.element_size() for m in mods for p in m.parameters()) / (1 << 30)
 
     logger.info(
-        "Quantized weights: %d NVFP4 layer(s) %.2f GiB (W4A16 layout), %d FP8 layer(s) %.2f GiB; W4A16 "
-        "large-batch buffer %.1f MiB", len(nvfp4), gib(nvfp4), len(fp8), gib(fp8), buffer / (1 << 20),
+        "Quantized weights: %d NVFP4 layer(s) %.2f GiB (W4A16 layout), %d NVFP4 routed-expert group(s) %.2f GiB, "
+        "%d FP8 layer(s) %.2f GiB; W4A16 large-batch buffer %.1f MiB", len(nvfp4), gib(nvfp4), len(experts),
+        gib(experts), len(fp8), gib(fp8), buffer / (1 << 20),
     )
 
 
@@ -237,13 +241,20 @@ def prepare_quantized_model(
     """Before loading: the NVFP4 Linears swapped in when ``use_kernel`` (Triton backend), the FP8 ones
     on ``FP8_GEMM_DEVICES``; logs once how many run each GEMM and how each kind of Linear is stored.
     Returns the checkpoint module names that load as stored (``loader/quantized_weights.py``)."""
+    from kvserve.layers.quant_experts import NVFP4Experts, quantize_experts
+
     device = next(model.parameters()).device
     kept = quantize_linears(model, qc, stacked, nvfp4=use_kernel, fp8=device.type in FP8_GEMM_DEVICES)
+    if use_kernel:
+        kept |= quantize_experts(model, qc)
     kinds = linear_schemes(model, qc, stacked)
+    experts = sum(isinstance(m, NVFP4Experts) for m in model.modules())
     logger.info(
-        "ModelOpt %s weights (%s): %d layer(s) keep NVFP4 and run the W4A16 GEMM, %d keep FP8 and run the "
+        "ModelOpt %s weights (%s): %d layer(s) keep NVFP4 and run the W4A16 GEMM%s, %d keep FP8 and run the "
         "scaled FP8 GEMM, the rest are dequantized to %s while loading; per layer kind: %s", qc.quant_algo, qc.source,
-        sum(isinstance(m, NVFP4Linear) for m in model.modules()), sum(isinstance(m, FP8Linear) for m in model.modules()),
+        sum(isinstance(m, NVFP4Linear) for m in model.modules()),
+        f" (and {experts} routed-expert group(s) the grouped W4A16 GEMM)" if experts else "",
+        sum(isinstance(m, FP8Linear) for m in model.modules()),
         str(dtype).replace("torch.", ""), ", ".join(f"{k} {v}" for k, v in kinds.items()),
     )
     return kept

@@ -45,7 +45,9 @@ _RENAMES = (
     ("language_model.model.", "model."),
     ("language_model.lm_head.", "lm_head."),
 )
-_EXPERT_RE = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+# a routed expert's weight, or (NVFP4 experts kept quantized: layers/quant_experts.py) its scales
+_EXPERT_RE = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale|weight_scale_2)$")
+_EXPERT_PART = {"weight": "", "weight_scale": "_scale", "weight_scale_2": "_scale_2"}
 
 
 def hf_to_kvserve_name(name: str) -> str | None:
@@ -278,6 +280,7 @@ class Qwen3NextForCausalLM(CausalLM):
         self.config = cfg
         self.model = HybridModel(cfg, grouped, ffn)
         # routed experts read their per-expert token counts on the host (Experts.forward): not capturable
+        # (NVFP4Experts would be; the runner keeps MoE models eager until issue 18's fused MoE)
         self.supports_cuda_graphs = not any(isinstance(layer.mlp, SparseMoeBlock) for layer in self.model.layers)
         # transformers ties an image-text model by its top-level config. Given only the text config of
         # such a checkpoint, kvserve keeps lm_head and ties iff the checkpoint has no lm_head.weight
@@ -297,8 +300,8 @@ class Qwen3NextForCausalLM(CausalLM):
         return [layer.linear_attn for layer in self.model.layers if layer.kind == "linear_attention"]
 
     def _load_expert(self, loader: WeightLoader, m: re.Match, tensor: torch.Tensor, seen: dict) -> None:
-        prefix, e, kind = m.group(1), int(m.group(2)), m.group(3)
-        pname = f"{prefix}.{'down_proj' if kind == 'down_proj' else 'gate_up_proj'}"
+        prefix, e, kind, part = m.group(1), int(m.group(2)), m.group(3), m.group(4)
+        pname = f"{prefix}.{'down_proj' if kind == 'down_proj' else 'gate_up_proj'}{_EXPERT_PART[part]}"
         param = loader.params.get(pname)
         name = m.group(0)
         if param is None or e >= param.shape[0]:
@@ -314,7 +317,8 @@ class Qwen3NextForCausalLM(CausalLM):
             )
             return
         dest.copy_(tensor.to(dest.dtype))
-        seen.setdefault(prefix, set()).add((e, kind))
+        if part == "weight":
+            seen.setdefault(prefix, set()).add((e, kind))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         loader = WeightLoader(self, self.stacked_params)
@@ -335,8 +339,9 @@ class Qwen3NextForCausalLM(CausalLM):
             num = loader.params[f"{prefix}.down_proj"].shape[0]
             for kinds, pname in ((("gate_proj", "up_proj"), "gate_up_proj"), (("down_proj",), "down_proj")):
                 want = {(e, k) for e in range(num) for k in kinds}
-                if want <= got:
-                    loader.loaded.add((f"{prefix}.{pname}", -1))
+                if want <= got:  # (the quantized loader yields a kept weight only with its scales)
+                    loader.loaded.update((f"{prefix}.{pname}{part}", -1) for part in _EXPERT_PART.values()
+                                         if f"{prefix}.{pname}{part}" in loader.params)
                 else:
                     absent += [f"{prefix}.{e}.{k}.weight" for e, k in sorted(want - got)]
         if self._tie_if_absent and not any(t == "lm_head.weight" for t, _ in loader.loaded):

@@ -56,9 +56,10 @@ def init_dummy_weights(model: torch.nn.Module, seed: int, low: float = -1e-3, hi
                 gens[p.device] = torch.Generator(device=p.device).manual_seed(seed)
             if p.is_floating_point() and p.dtype != torch.float8_e4m3fn:
                 p.uniform_(low, high, generator=gens[p.device])
-        for m in model.modules():  # packed quantized weights (layers/quant_linear.py)
+        for m in model.modules():  # packed quantized weights (layers/quant_linear.py, layers/quant_experts.py)
             if hasattr(m, "init_dummy"):
-                m.init_dummy(gens.setdefault(m.weight.device, torch.Generator(device=m.weight.device).manual_seed(seed)))
+                dev = next(m.parameters()).device
+                m.init_dummy(gens.setdefault(dev, torch.Generator(device=dev).manual_seed(seed)))
 
 
 class ModelRunner:

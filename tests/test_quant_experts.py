@@ -1,0 +1,135 @@
+"""Routed experts on NVFP4 weights (layers/quant_experts.py): the device-side alignment of rows to
+experts, the grouped W4A16 GEMM (kernels/triton_w4a16.py) against float64, and ``NVFP4Experts``
+against the dense ``Experts`` with the weights dequantized exactly. Fresh random routings with 1
+token, experts left empty and experts with more rows than a block; bf16 and fp32; outputs poisoned
+first. CPU: the Triton interpreter.
+
+The GEMM bound is test_triton_w4a16.py's: against the exact weights in float64, an fp32 dot of K
+terms scaled and rounded once is off by at most ``u_out |y| + (K + 1) u_fp32 (|x| @ |W|^T)``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve.quant.nvfp4 import e2m1_table, quantize_nvfp4, unpack_e2m1
+from triton_support import kernel_device, skip_without_triton_device
+
+DEV = kernel_device()
+UNIT = {torch.bfloat16: 2.0**-8, torch.float32: 2.0**-24}
+
+
+def _routing(tokens: int, experts: int, k: int, seed: int) -> torch.Tensor:
+    """Top-k expert ids a token (distinct), skewed so that some experts get many rows, some none."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(tokens, experts, generator=gen) + torch.linspace(3, -3, experts)
+    return logits.topk(k, dim=-1).indices
+
+
+@pytest.mark.parametrize("tokens,experts,k,block_m", [(1, 8, 2, 16), (37, 8, 2, 16), (300, 16, 4, 64), (5, 64, 8, 16)])
+def test_moe_align_groups_every_row_once(tokens, experts, k, block_m):
+    from kvserve.layers.quant_experts import moe_align
+
+    top = _routing(tokens, experts, k, tokens + experts)
+    ids, block_expert = moe_align(top, experts, block_m)
+    rows = tokens * k
+    assert ids.dtype == block_expert.dtype == torch.int32
+    assert ids.numel() == block_expert.numel() * block_m >= rows
+    assert ids.numel() == -(-(rows + experts * (block_m - 1)) // block_m) * block_m  # the bound, no host read
+    listed = ids[ids >= 0].long()
+    assert torch.equal(listed.sort().values, torch.arange(rows))  # every row exactly once
+    flat = top.reshape(-1)
+    blocks = ids.view(-1, block_m)
+    for b, e in enumerate(block_expert.tolist()):
+        r = blocks[b][blocks[b] >= 0].long()
+        if e == experts:  # past the last expert: empty
+            assert r.numel() == 0
+            continue
+        assert bool((flat[r] == e).all()) and bool((r[1:] > r[:-1]).all())  # one expert, rows ascending
+        if r.numel() < block_m:  # only an expert's last block is partly padding, at its end
+            assert bool((blocks[b][r.numel():] == -1).all())
+    counts = torch.bincount(flat, minlength=experts)
+    assert bool((counts == 0).any()) or tokens * k >= experts  # some routings leave experts empty
+    assert sorted(set(block_expert.tolist()) - {experts}) == sorted(set(flat.tolist()))
+
+
+def _experts(e: int, n: int, k: int, seed: int):
+    """E experts' NVFP4 tensors stacked ([E, n, k/2], [E, n, k/16], one global scale each as [E, n]) and
+    their exact float64 weights."""
+    gen = torch.Generator().manual_seed(seed)
+    packed, block, rows, exact = [], [], [], []
+    for i in range(e):
+        p, b, s2 = quantize_nvfp4(torch.randn(n, k, generator=gen) * (0.05 * (i + 1)))
+        v = e2m1_table()[unpack_e2m1(p).long()].double().reshape(n, k // 16, 16)
+        exact.append((v * b.double()[..., None] * s2.double()).reshape(n, k))
+        packed.append(p), block.append(b), rows.append(s2.expand(n))
+    return torch.stack(packed), torch.stack(block), torch.stack(rows).contiguous(), torch.stack(exact), gen
+
+
+def _bound_ok(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> bool:
+    want = (x.double()[:, None, :] @ w.transpose(-1, -2)).squeeze(1)
+    mag = (x.double().abs()[:, None, :] @ w.abs().transpose(-1, -2)).squeeze(1)
+    slack = UNIT[y.dtype] * want.abs() + (x.shape[-1] + 1) * 2.0**-24 * mag
+    return bool(((y.double() - want).abs() <= slack * 1.0001 + 1e-30).all())
+
+
+@skip_without_triton_device()
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("tokens,block_m", [(1, 16), (21, 16), (70, 64)])
+def test_grouped_w4a16_matmul_against_float64(dtype, tokens, block_m):
+    """Each listed row r: x[r // k] @ W_e^T with e its expert, into a poisoned output (all rows listed:
+    none left NaN); K = 160 (not a multiple of 64), N = 48 (not of the 64-row tile)."""
+    from kvserve.kernels.triton_w4a16 import pack_w4a16, w4a16_grouped_matmul
+    from kvserve.layers.quant_experts import moe_align
+
+    e, n, kdim, k = 6, 48, 160, 2
+    packed, block, rows, exact, gen = _experts(e, n, kdim, tokens)
+    top = _routing(tokens, e, k, tokens)
+    ids, block_expert = moe_align(top.to(DEV), e, block_m)
+    x = torch.randn(tokens, kdim, generator=gen).to(dtype)
+    wt = pack_w4a16(packed.to(DEV), block.to(DEV), rows.to(DEV))
+    out = torch.full((tokens * k, n), float("nan"), dtype=dtype, device=DEV)
+    y = w4a16_grouped_matmul(x.to(DEV), wt, ids, block_expert, block_m, k, out).cpu()
+    assert not bool(torch.isnan(y).any())
+    w_rows = exact[top.reshape(-1)]  # [rows, n, K]: each row's expert's weights
+    assert _bound_ok(y, x.repeat_interleave(k, dim=0), w_rows)
+
+
+@skip_without_triton_device()
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("tokens", [1, 9, 40])
+def test_nvfp4_experts_equal_dense_experts_on_the_exact_weights(dtype, tokens):
+    """``NVFP4Experts`` (loaded as the checkpoint stores experts, then finalized) against the dense
+    ``Experts`` holding the same weights dequantized, both in the test dtype, and both against the
+    dense experts in float64: the quantized experts are as close to float64 as 2x the dense path's
+    own spread (the GEMMs sum in other orders and round the activations at other steps) plus one
+    rounding of the output."""
+    from kvserve.layers.quant_experts import NVFP4Experts
+    from kvserve.models.qwen3_next import Experts
+
+    e, hidden, inter, k = 5, 64, 48, 2
+    gu_p, gu_b, gu_s, gu_w, gen = _experts(e, 2 * inter, hidden, 100 + tokens)
+    dn_p, dn_b, dn_s, dn_w, _ = _experts(e, hidden, inter, 200 + tokens)
+    q = NVFP4Experts(e, hidden, inter, device=DEV)
+    with torch.no_grad():
+        for name, (p, b, s) in {"gate_up_proj": (gu_p, gu_b, gu_s), "down_proj": (dn_p, dn_b, dn_s)}.items():
+            getattr(q, name).copy_(p), getattr(q, f"{name}_scale").copy_(b), getattr(q, f"{name}_scale_2").copy_(s)
+    q.finalize()
+    assert q.gate_up_proj is None and q.gate_up_proj_codes.dtype == torch.int16
+
+    def dense(dt: torch.dtype, dev: str) -> Experts:
+        m = Experts(e, hidden, inter).to(device=dev, dtype=dt)
+        with torch.no_grad():
+            m.gate_up_proj.copy_(gu_w.to(dt)), m.down_proj.copy_(dn_w.to(dt))
+        return m
+
+    top = _routing(tokens, e, k, tokens)
+    top_w = torch.softmax(torch.randn(tokens, k, generator=gen), -1).to(dtype)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    with torch.no_grad():
+        got = q(x.to(DEV), top.to(DEV), top_w.to(DEV)).double().cpu()
+        ref = dense(dtype, DEV)(x.to(DEV), top.to(DEV), top_w.to(DEV)).double().cpu()
+        truth = dense(torch.float64, "cpu")(x.double(), top, top_w.double())
+    spread = float((ref - truth).abs().max())
+    err = float((got - truth).abs().max())
+    assert err <= 2 * spread + UNIT[dtype] * float(truth.abs().max()), (err, spread)
