@@ -203,20 +203,22 @@ def test_nvfp4_layers_run_the_w4a16_gemm_on_the_triton_backend(export, tmp_path,
 
 
 @skip_without_triton_device()
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
 @pytest.mark.parametrize("fp8_gemm", [False, True], ids=["fp8-dequantized", "fp8-gemm"])
 def test_config_only_export_runs_with_dummy_weights_and_resolves_fp8_kv(make_tiny_model, tmp_path, kvlog,
-                                                                        monkeypatch, fp8_gemm):
+                                                                        monkeypatch, fp8_gemm, arch):
     """The benchmarks' path for a model too large to export here: the configs of a MIXED_PRECISION
     export without weights, `--load-format dummy`: the NVFP4 layers hold random packed codes (run by
-    the W4A16 GEMM on the triton backend), `--kv-cache-dtype auto` resolves to fp8_e4m3 from
-    `kv_cache_quant_algo: FP8`, and the model generates."""
+    the W4A16 GEMM on the triton backend; the MoE's routed experts by the grouped one),
+    `--kv-cache-dtype auto` resolves to fp8_e4m3 from `kv_cache_quant_algo: FP8`, and the model
+    generates."""
     from kvserve.tools.modelopt_export import export_config_only
 
     from kvserve.layers import quant_linear
 
     if fp8_gemm:  # the FP8 layers as on CUDA (torch._scaled_mm runs on the CPU too): dummy fp8 codes, finalized
         monkeypatch.setattr(quant_linear, "FP8_GEMM_DEVICES", ("cuda", "cpu"))
-    folder = export_config_only(make_tiny_model("qwen3_5", seed=1), tmp_path / "only", "MIXED_PRECISION")
+    folder = export_config_only(make_tiny_model(arch, seed=1), tmp_path / "only", "MIXED_PRECISION")
     assert not list(folder.glob("*.safetensors"))
     llm = LLM(str(folder), load_format="dummy", dtype="float32", kv_cache_dtype="auto", kv_cache_memory=1 << 22,
               max_num_seqs=4, attention_backend="triton")
@@ -226,6 +228,7 @@ def test_config_only_export_runs_with_dummy_weights_and_resolves_fp8_kv(make_tin
     packed = [n for n, p in params.items() if p.dtype == torch.int16]  # NVFP4 codes, repacked
     assert packed and all(".mlp." in n or n.startswith("lm_head") for n in packed)
     assert all(bool(params[n].any()) for n in packed)  # random codes, not zeros
+    assert any(n.endswith("experts.gate_up_proj_codes") for n in packed) == (arch == "qwen3_5_moe")
     fp8 = [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, quant_linear.FP8Linear)]
     assert bool(fp8) == fp8_gemm and all(m.finalized and m.weight_scale.shape == () for m in fp8)
     assert all(bool(m.weight.float().abs().max() > 0) for m in fp8)
