@@ -371,7 +371,7 @@ def _w4a16_kernel(
         else:  # a part: publish it; the tile's last program to arrive sums the parts in program order
             first = (u == u_lo).to(tl.int32)  # a program's parts: slot 0 its first tile, slot 1 its last
             slot = part_ptr + ((p * 2 + 1 - first).to(tl.int64) * BLOCK_N + rbn[:, None]) * BLOCK_M + rbm[None, :]
-            tl.store(slot, acc)
+            tl.store(slot, acc, mask=m_ok[None, :])  # (batch rows past M are not read back)
             tl.debug_barrier()
             t_lo, t_hi = tile * n_chunks, tile * n_chunks + n_chunks
             q_first = ((t_lo + 1).to(tl.int64) * programs + units - 1) // units - 1  # owner of unit t_lo
@@ -383,7 +383,7 @@ def _w4a16_kernel(
                     q_lo = (q * units // programs).to(tl.int32)
                     q_slot = q * 2 + 1 - (q_lo // n_chunks == tile).to(tl.int64)
                     total += tl.load(part_ptr + (q_slot * BLOCK_N + rbn[:, None]) * BLOCK_M + rbm[None, :],
-                                     cache_modifier=".cg")
+                                     mask=m_ok[None, :], other=0.0, cache_modifier=".cg")
                 tl.atomic_xchg(lock_ptr + tile, 0)  # ready for the next launch
                 tl.store(y_at, (total * g[:, None]).to(y_ptr.dtype.element_ty), mask=y_ok)
         u += c_end - c_begin
