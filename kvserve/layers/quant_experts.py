@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.layers.quant_linear import frozen_param
 from kvserve.quant.modelopt import ModelOptConfig
 from kvserve.quant.nvfp4 import NVFP4_GROUP_SIZE as GROUP
 
@@ -42,10 +43,6 @@ def moe_align(top_idx: torch.Tensor, num_experts: int, block_m: int) -> tuple[to
     return ids, block_expert
 
 
-def _frozen(device: torch.device | str | None, dtype: torch.dtype, *shape: int) -> nn.Parameter:
-    return nn.Parameter(torch.zeros(*shape, dtype=dtype, device=device), requires_grad=False)
-
-
 class NVFP4Experts(nn.Module):
     """Routed SwiGLU experts on NVFP4 weights (module docstring)."""
 
@@ -56,12 +53,12 @@ class NVFP4Experts(nn.Module):
                 raise ValueError(f"NVFP4 experts: {what} {features} is not a multiple of {GROUP}")
         self.num_experts, self.hidden, self.intermediate = num_experts, hidden_size, intermediate_size
         e, h, i = num_experts, hidden_size, intermediate_size
-        self.gate_up_proj = _frozen(device, torch.uint8, e, 2 * i, h // 2)
-        self.gate_up_proj_scale = _frozen(device, torch.float8_e4m3fn, e, 2 * i, h // GROUP)
-        self.gate_up_proj_scale_2 = _frozen(device, torch.float32, e, 2 * i)
-        self.down_proj = _frozen(device, torch.uint8, e, h, i // 2)
-        self.down_proj_scale = _frozen(device, torch.float8_e4m3fn, e, h, i // GROUP)
-        self.down_proj_scale_2 = _frozen(device, torch.float32, e, h)
+        self.gate_up_proj = frozen_param(device, torch.uint8, e, 2 * i, h // 2)
+        self.gate_up_proj_scale = frozen_param(device, torch.float8_e4m3fn, e, 2 * i, h // GROUP)
+        self.gate_up_proj_scale_2 = frozen_param(device, torch.float32, e, 2 * i)
+        self.down_proj = frozen_param(device, torch.uint8, e, h, i // 2)
+        self.down_proj_scale = frozen_param(device, torch.float8_e4m3fn, e, h, i // GROUP)
+        self.down_proj_scale_2 = frozen_param(device, torch.float32, e, h)
         self.finalized = False
 
     def finalize(self) -> None:

@@ -24,15 +24,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvserve.logger import init_logger
 from kvserve.quant.modelopt import ModelOptConfig
 from kvserve.quant.nvfp4 import E4M3_MAX, quantize_fp8_static
 from kvserve.quant.nvfp4 import NVFP4_GROUP_SIZE as GROUP
 
-logger = init_logger(__name__)
 
-
-def _frozen(device: torch.device | str | None, dtype: torch.dtype, *shape: int) -> nn.Parameter:
+def frozen_param(device: torch.device | str | None, dtype: torch.dtype, *shape: int) -> nn.Parameter:
     """A zero-filled parameter the checkpoint fills (no gradient)."""
     return nn.Parameter(torch.zeros(*shape, dtype=dtype, device=device), requires_grad=False)
 
@@ -48,9 +45,9 @@ class NVFP4Linear(nn.Module):
             raise ValueError(f"NVFP4 in_features {in_features} is not a multiple of {GROUP}")
         self.in_features, self.out_features = in_features, out_features
 
-        self.weight = _frozen(device, torch.uint8, out_features, in_features // 2)
-        self.weight_scale = _frozen(device, torch.float8_e4m3fn, out_features, in_features // GROUP)
-        self.weight_scale_2 = _frozen(device, torch.float32, out_features)
+        self.weight = frozen_param(device, torch.uint8, out_features, in_features // 2)
+        self.weight_scale = frozen_param(device, torch.float8_e4m3fn, out_features, in_features // GROUP)
+        self.weight_scale_2 = frozen_param(device, torch.float32, out_features)
         self.bias = nn.Parameter(torch.zeros(out_features, device=device)) if bias else None
         self.finalized = False
 
@@ -96,9 +93,9 @@ class FP8Linear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
 
-        self.weight = _frozen(device, torch.float8_e4m3fn, out_features, in_features)
-        self.weight_scale = _frozen(device, torch.float32, out_features)  # per row while loading; one after
-        self.input_scale = _frozen(device, torch.float32, out_features)
+        self.weight = frozen_param(device, torch.float8_e4m3fn, out_features, in_features)
+        self.weight_scale = frozen_param(device, torch.float32, out_features)  # per row while loading; one after
+        self.input_scale = frozen_param(device, torch.float32, out_features)
         self.bias = nn.Parameter(torch.zeros(out_features, device=device)) if bias else None
         self.register_buffer("inv_input_scale", torch.ones((), device=device), persistent=False)
         self.finalized = False
@@ -154,42 +151,6 @@ def _reciprocal(s: torch.Tensor) -> torch.Tensor:
     return (torch.ones((), dtype=torch.float32) / s.detach().float().cpu()).to(s.device)
 
 
-def finalize_quantized_model(model: nn.Module, max_batch_tokens: int, dtype: torch.dtype) -> None:
-    """After loading: every FP8Linear's scales settled (``FP8Linear.finalize``), every NVFP4Linear
-    repacked for its kernel (``NVFP4Linear.finalize``; a malformed one names its module), and the
-    W4A16 large-batch buffer made now when a step of ``max_batch_tokens`` can use it, so the memory
-    planner counts it. Logs the quantized weights' bytes once."""
-    from kvserve.kernels.triton_w4a16 import reserve_dense_buffer, use_dense_path
-
-    from kvserve.layers.quant_experts import NVFP4Experts
-
-    for name, m in model.named_modules():
-        if isinstance(m, (FP8Linear, NVFP4Linear, NVFP4Experts)) and not m.finalized:
-            try:
-                m.finalize()
-            except ValueError as e:
-                raise ValueError(f"{name}: {e}") from None
-    nvfp4 = [m for m in model.modules() if isinstance(m, NVFP4Linear)]
-    experts = [m for m in model.modules() if isinstance(m, NVFP4Experts)]
-    fp8 = [m for m in model.modules() if isinstance(m, FP8Linear)]
-    if not nvfp4 and not fp8 and not experts:
-        return
-    dense = [m for m in nvfp4 if use_dense_path(max_batch_tokens, m.out_features, m.in_features)]
-    buffer = 0
-    if dense:
-        big = max(dense, key=lambda m: m.out_features * m.in_features)
-        buffer = reserve_dense_buffer(big.codes.device, dtype, big.out_features, big.in_features)
-
-    def gib(mods: list[nn.Module]) -> float:
-        return sum(p.numel() * p.element_size() for m in mods for p in m.parameters()) / (1 << 30)
-
-    logger.info(
-        "Quantized weights: %d NVFP4 layer(s) %.2f GiB (W4A16 layout), %d NVFP4 routed-expert group(s) %.2f GiB, "
-        "%d FP8 layer(s) %.2f GiB; W4A16 large-batch buffer %.1f MiB", len(nvfp4), gib(nvfp4), len(experts),
-        gib(experts), len(fp8), gib(fp8), buffer / (1 << 20),
-    )
-
-
 def _checkpoint_shards(name: str, stacked: dict[str, tuple[str, int]]) -> list[str]:
     """A model Linear's checkpoint module names: its shards in order when fused, else itself."""
     parent, _, leaf = name.rpartition(".")
@@ -232,29 +193,4 @@ def quantize_linears(model: nn.Module, qc: ModelOptConfig, stacked: dict[str, tu
         parent, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, leaf, new)
         kept.update(shards)
-    return kept
-
-
-def prepare_quantized_model(
-    model: nn.Module, qc: ModelOptConfig, stacked: dict[str, tuple[str, int]], use_kernel: bool, dtype: torch.dtype
-) -> set[str]:
-    """Before loading: the NVFP4 Linears swapped in when ``use_kernel`` (Triton backend), the FP8 ones
-    on ``FP8_GEMM_DEVICES``; logs once how many run each GEMM and how each kind of Linear is stored.
-    Returns the checkpoint module names that load as stored (``loader/quantized_weights.py``)."""
-    from kvserve.layers.quant_experts import NVFP4Experts, quantize_experts
-
-    device = next(model.parameters()).device
-    kept = quantize_linears(model, qc, stacked, nvfp4=use_kernel, fp8=device.type in FP8_GEMM_DEVICES)
-    if use_kernel:
-        kept |= quantize_experts(model, qc)
-    kinds = linear_schemes(model, qc, stacked)
-    experts = sum(isinstance(m, NVFP4Experts) for m in model.modules())
-    logger.info(
-        "ModelOpt %s weights (%s): %d layer(s) keep NVFP4 and run the W4A16 GEMM%s, %d keep FP8 and run the "
-        "scaled FP8 GEMM, the rest are dequantized to %s while loading; per layer kind: %s", qc.quant_algo, qc.source,
-        sum(isinstance(m, NVFP4Linear) for m in model.modules()),
-        f" (and {experts} routed-expert group(s) the grouped W4A16 GEMM)" if experts else "",
-        sum(isinstance(m, FP8Linear) for m in model.modules()),
-        str(dtype).replace("torch.", ""), ", ".join(f"{k} {v}" for k, v in kinds.items()),
-    )
     return kept

@@ -84,7 +84,7 @@ class ModelRunner:
             torch.set_default_dtype(default_dtype)
         kept: set[str] = set()
         if quantized:
-            from kvserve.layers.quant_linear import prepare_quantized_model
+            from kvserve.layers.quantized_model import prepare_quantized_model
 
             assert qc is not None
             kept = prepare_quantized_model(self.model, qc, self.model.stacked_params,
@@ -105,7 +105,7 @@ class ModelRunner:
                 weights = dequantized_weights(weights, qc, kept)
             self.model.load_weights(scales.filter(weights))
         if quantized:
-            from kvserve.layers.quant_linear import finalize_quantized_model
+            from kvserve.layers.quantized_model import finalize_quantized_model
 
             # after loading or the dummy fill, before the memory plan (the W4A16 large-batch buffer)
             finalize_quantized_model(self.model, self.config.scheduler_config.max_num_batched_tokens, mc.dtype)
