@@ -26,8 +26,12 @@ the last of a tile's programs to arrive (an atomic counter) sums the partials in
 
 **Large batches** (``use_dense_path``: from ``DENSE_FROM_M`` rows, prefill chunks) dequantize the
 weight into a reused buffer (``dequantize_w4a16``, the doc's order: exactly the reference backend's
-weights) and multiply with torch's GEMM; at those sizes the GEMM's time dwarfs the 2 bytes an
-element written once.
+weights) and multiply with torch's GEMM; at those sizes the GEMM takes far longer than writing the
+bf16 copy once.
+
+**Routed experts** (``w4a16_grouped_matmul``): the same chunk loop over blocks of rows that share an
+expert (``layers/quant_experts.moe_align``), one program per (block, output tile), token rows
+gathered; no stream-K.
 
 The inline PTX runs on CUDA only; the Triton interpreter and fp32 activations take ``_decode_twin``,
 which builds the same values with Triton arithmetic (tests/test_triton_w4a16.py checks the PTX text
@@ -46,7 +50,7 @@ from kvserve.kernels.triton_store import num_sms
 from kvserve.quant.nvfp4 import NVFP4_GROUP_SIZE, unpack_e2m1
 
 CHUNK = 64  # K elements per chunk: four scale groups, 16 int16 words
-MAG_AT = (6, 3, 0, 9)  # where element j's magnitude bits start in its word
+MAG_AT = (6, 3, 0, 9)  # where element j's magnitude bits start in its word (the PTX and _chunk spell these out)
 SIGN_AT = (15, 12, 13, 14)  # and its sign bit
 _LOCKS = 1 << 16  # tile counters per device (stream-K); launches with more tiles take whole tiles
 DENSE_FROM_M = 2048  # batch rows from which the weight is dequantized for cuBLAS (untuned until the H200 sweep)
