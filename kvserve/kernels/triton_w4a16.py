@@ -336,7 +336,7 @@ def _chunk(acc, w_rows, s_rows, x_cols, c, K, n_ok, m_ok, BLOCK_N: tl.constexpr,
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "N", "K", "n_chunks", "tiles_n", "units", "programs"])  # (fewer compiles)
 def _w4a16_kernel(
     x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, part_ptr, lock_ptr,
     M, N, K, n_chunks, tiles_n, units, programs,
@@ -498,7 +498,7 @@ def w4a16_matmul(x: torch.Tensor, weight: W4A16Weight, out: torch.Tensor | None 
     return y.reshape(*x.shape[:-1], n)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "K", "n_chunks", "num_experts"])
 def _w4a16_grouped_kernel(
     x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, ids_ptr, expert_ptr,
     N, K, n_chunks, num_experts,
