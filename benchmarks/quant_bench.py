@@ -55,18 +55,19 @@ def _time_ms(fn) -> float:
 
 def sweep_tiles(m: int) -> list:
     """The tiles a sweep tries at batch ``m``, fewest compiles first (``programs_per_sm`` is a launch
-    argument: no extra compile)."""
+    argument, no extra compile: None = one wave at the compiled kernel's occupancy, 0 = one program
+    a tile, 6 = two waves of 3)."""
     from kvserve.kernels.triton_w4a16 import W4A16Tiles
 
     if m <= 16:
         return [W4A16Tiles(bn, 16, ch, w, st, pps) for bn, w in ((128, 4), (64, 4), (256, 8)) for ch in (2, 1)
-                for st in (3, 4) for pps in (4, 2, 8)]
+                for st in (3, 4) for pps in (None, 0, 6)]
     if m <= 64:
         return [W4A16Tiles(128, bm, ch, w, 3, pps) for bm in (64, 32) for w in (4, 8) for ch in (2, 1)
-                for pps in (2, 4, 1)]
+                for pps in (None, 0)]
     return ([W4A16Tiles(bn, bm, ch, 8, st, pps) for bm in (128, 64) for bn in (128, 256) if bn * bm <= 128 * 128
-             for ch in (1, 2) for st in (3, 2) for pps in (3, 0, 2)]
-            + [W4A16Tiles(bn, 256, 1, w, st, pps) for bn, w in ((64, 4), (128, 8)) for st in (2, 3) for pps in (3, 1)])
+             for ch in (1, 2) for st in (3, 2) for pps in (None, 0)]
+            + [W4A16Tiles(bn, 256, 1, w, st, pps) for bn, w in ((64, 4), (128, 8)) for st in (2, 3) for pps in (None, 0)])
 
 
 def bench(shapes: dict, batches: list[int], sweep: int, budget_s: float, doc: dict, save) -> None:

@@ -277,3 +277,19 @@ def test_dequantize_w4a16_equals_the_reference_dequantisation(dtype):
     assert torch.equal(y, (x.to(DEV) @ want.to(DEV).T).cpu())
     assert kern.use_dense_path(kern.DENSE_FROM_M, 17408, 5120) and not kern.use_dense_path(kern.DENSE_FROM_M - 1, 17408, 5120)
     assert not kern.use_dense_path(1 << 20, 248320, 5120)  # an lm_head's bf16 copy (2.5 GB) is never made
+
+
+def test_ctas_per_sm_is_what_fits_an_sm_at_once():
+    """The stream-K split's programs a SM, from a compiled kernel's registers, shared memory and
+    warps (H200 limits: 64 Ki registers, 228 KiB shared, 2048 threads an SM). The numbers are the
+    sm_90 compiles of the default tiles (docs/QUANTIZATION.md): 134 registers x 4 warps -> 3 by
+    registers; 206 x 8 warps -> 1; 95 x 4 warps and 21.5 KiB -> 5; shared memory or threads limit
+    the others."""
+    from kvserve.kernels.triton_w4a16 import ctas_per_sm
+
+    assert ctas_per_sm(134, 30720, 4) == 3
+    assert ctas_per_sm(206, 65536, 8) == 1
+    assert ctas_per_sm(95, 21504, 4) == 5
+    assert ctas_per_sm(32, 100 * 1024, 4) == 2  # shared memory
+    assert ctas_per_sm(16, 0, 4) == 16  # threads (2048 / 128)
+    assert ctas_per_sm(255, 0, 32) == 1  # never 0

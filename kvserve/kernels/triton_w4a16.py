@@ -47,8 +47,10 @@ import triton
 import triton.language as tl
 
 from kvserve.kernels.triton_store import num_sms
+from kvserve.logger import init_logger
 from kvserve.quant.nvfp4 import NVFP4_GROUP_SIZE, unpack_e2m1
 
+logger = init_logger(__name__)
 CHUNK = 64  # K elements per chunk: four scale groups, 16 int16 words
 MAG_AT = (6, 3, 0, 9)  # where element j's magnitude bits start in its word (the PTX and _chunk spell these out)
 SIGN_AT = (15, 12, 13, 14)  # and its sign bit
@@ -198,28 +200,30 @@ def pack_w4a16(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: to
 @dataclass(frozen=True)
 class W4A16Tiles:
     """Launch tiles: output rows (W) x batch rows (x) of a program's accumulator, K chunks per loop
-    step, warps, pipeline stages, and programs per SM (stream-K; 0 = one program per tile)."""
+    step, warps, pipeline stages, and programs per SM for the stream-K split: None = as many as fit
+    an SM at once (the compiled kernel's registers, shared memory and warps), 0 = one program per
+    tile (no split)."""
 
     block_n: int
     block_m: int
     chunks: int = 2
     num_warps: int = 4
     num_stages: int = 3
-    programs_per_sm: int = 4
+    programs_per_sm: int | None = None
     programs: int = 0  # an exact program count instead (tests of the stream-K split)
 
 
 def default_tiles(m: int, n: int, k: int) -> W4A16Tiles:
-    """The launch tiles for an [m, k] x [k, n] product (untuned until the H200 sweep lands). Three or
-    more programs a SM where a batch has few tiles: 136 whole 128-row tiles of a 17408-row weight
-    would leave 4 SMs a third program each."""
+    """The launch tiles for an [m, k] x [k, n] product (untuned until the H200 sweep lands). Stream-K
+    over one wave of programs: 136 whole 128-row tiles of a 17408-row weight would leave 4 SMs a
+    second tile each."""
     if m <= 16:
-        return W4A16Tiles(128, 16, 2, 4, 3, 4)
+        return W4A16Tiles(128, 16, 2, 4, 3)
     if m <= 32:
-        return W4A16Tiles(128, 32, 2, 4, 3, 4)
+        return W4A16Tiles(128, 32, 2, 4, 3)
     if m <= 64:
-        return W4A16Tiles(128, 64, 2, 8, 3, 3)
-    return W4A16Tiles(128, 128, 1, 8, 3, 3)
+        return W4A16Tiles(128, 64, 2, 4, 3)
+    return W4A16Tiles(128, 128, 1, 8, 3)
 
 
 @triton.jit
@@ -443,6 +447,45 @@ def use_dense_path(m: int, n: int, k: int) -> bool:
     return m >= DENSE_FROM_M and 2 * n * k <= DENSE_MAX_BYTES
 
 
+_occupancy: dict[tuple, int] = {}
+_INTERPRETER_CTAS_PER_SM = 4  # (no device to ask: any count is correct, this one splits tiles in tests)
+_FALLBACK_CTAS_PER_SM = 2  # where the compiled kernel cannot be asked (logged once)
+
+
+def ctas_per_sm(n_regs: int, shared_bytes: int, num_warps: int, regs_per_sm: int = 65536,
+                shared_per_sm: int = 233472, threads_per_sm: int = 2048) -> int:
+    """Programs of a compiled kernel that fit one SM at once: registers (allocated 8 a thread at a
+    time, per warp), shared memory (plus the 1 KiB the runtime reserves a block) and threads."""
+    by_regs = regs_per_sm // (-(-max(n_regs, 1) // 8) * 8 * 32 * num_warps)
+    by_smem = shared_per_sm // (shared_bytes + 1024) if shared_bytes else threads_per_sm
+    return max(1, min(by_regs, by_smem, threads_per_sm // (32 * num_warps)))
+
+
+def _ctas_per_sm(kernel, args: list, meta: dict, device: torch.device) -> int:
+    """``ctas_per_sm`` of this compiled variant (asked once per variant), so the stream-K split
+    fills exactly one wave."""
+    if device.type != "cuda":
+        return _INTERPRETER_CTAS_PER_SM
+    key = (getattr(kernel, "__name__", id(kernel)), device, tuple(sorted(meta.items())),
+           tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))
+    occ = _occupancy.get(key)
+    if occ is None:
+        try:
+            compiled = kernel.warmup(*args, grid=(1,), **meta)
+            compiled._init_handles()  # loads it: the register count is known from here
+            props = torch.cuda.get_device_properties(device)
+            occ = ctas_per_sm(compiled.n_regs, compiled.metadata.shared, meta["num_warps"],
+                              getattr(props, "regs_per_multiprocessor", 65536),
+                              getattr(props, "shared_memory_per_multiprocessor", 233472),
+                              getattr(props, "max_threads_per_multi_processor", 2048))
+        except Exception as e:  # noqa: BLE001 (a triton without these internals: a safe split, said once)
+            logger.warning("W4A16: cannot read the compiled kernel's occupancy (%s: %s); stream-K assumes %d "
+                           "programs a SM", type(e).__name__, e, _FALLBACK_CTAS_PER_SM)
+            occ = _FALLBACK_CTAS_PER_SM
+        _occupancy[key] = occ
+    return occ
+
+
 def _decode_mode(x: torch.Tensor) -> int:
     if x.dtype == torch.float32:
         return 3
@@ -475,26 +518,29 @@ def w4a16_matmul(x: torch.Tensor, weight: W4A16Weight, out: torch.Tensor | None 
         torch.matmul(x2, dequantize_w4a16(weight, x.dtype, _dense_scratch(x.device, x.dtype, n, k)).t(), out=y)
         return y.reshape(*x.shape[:-1], n)
     t = tiles or default_tiles(m, n, k)
-    if t.block_n < 16 or t.block_m < 16 or t.chunks < 1 or t.programs_per_sm < 0:
+    if t.block_n < 16 or t.block_m < 16 or t.chunks < 1 or (t.programs_per_sm or 0) < 0:
         raise ValueError(f"w4a16_matmul: {t} needs block_n, block_m >= 16, chunks >= 1, programs_per_sm >= 0")
     n_chunks = weight.codes.shape[1] // 16
     tiles_n, tiles_m = triton.cdiv(n, t.block_n), triton.cdiv(m, t.block_m)
     n_tiles = tiles_n * tiles_m
     units = n_tiles * n_chunks
-    target = t.programs or num_sms(x.device) * t.programs_per_sm
-    # stream-K while there are fewer tiles than programs to fill the GPU with; else whole tiles
-    programs = min(units, target) if n_tiles < target and n_tiles <= _LOCKS else n_tiles
-    streamed = programs != n_tiles
+    meta = dict(BLOCK_N=t.block_n, BLOCK_M=t.block_m, CHUNKS=t.chunks, DECODE=_decode_mode(x),
+                EVEN_N=n % t.block_n == 0, EVEN_K=k % CHUNK == 0, num_warps=t.num_warps, num_stages=t.num_stages)
+
+    def args(programs: int, part: torch.Tensor, lock: torch.Tensor) -> list:
+        return [x2, weight.codes, weight.scales.view(torch.int32), weight.row_scale, y, part, lock,
+                m, n, k, n_chunks, tiles_n, units, programs,
+                x2.stride(0), weight.codes.stride(0), weight.scales.stride(0) // 4, y.stride(0)]
+
+    if t.programs_per_sm == 0 or n_tiles > _LOCKS:
+        programs = n_tiles
+    else:
+        per_sm = t.programs_per_sm or _ctas_per_sm(_w4a16_kernel, args(1, y, y), meta, x.device)
+        programs = min(units, t.programs or num_sms(x.device) * per_sm)
+    streamed = programs != n_tiles  # (with one program a tile, each takes exactly its tile)
     part = torch.empty((programs, 2, t.block_n, t.block_m), dtype=torch.float32, device=x.device) if streamed else y
     lock = _tile_locks(x.device) if streamed else y
-    _w4a16_kernel[(programs,)](
-        x2, weight.codes, weight.scales.view(torch.int32), weight.row_scale, y, part, lock,
-        m, n, k, n_chunks, tiles_n, units, programs,
-        x2.stride(0), weight.codes.stride(0), weight.scales.stride(0) // 4, y.stride(0),
-        BLOCK_N=t.block_n, BLOCK_M=t.block_m, CHUNKS=t.chunks, DECODE=_decode_mode(x),
-        EVEN_N=n % t.block_n == 0, EVEN_K=k % CHUNK == 0,
-        num_warps=t.num_warps, num_stages=t.num_stages,
-    )
+    _w4a16_kernel[(programs,)](*args(programs, part, lock), **meta)
     return y.reshape(*x.shape[:-1], n)
 
 
