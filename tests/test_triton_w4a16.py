@@ -145,9 +145,9 @@ def _run_ptx(text: str, regs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_decode_ptx_matches_the_twin_bit_for_bit(dtype):
-    """The inline PTX, emulated on every 16-bit code word (two words a register) and random scales of
-    the whole e4m3 range: each output half equals e2m1 * s_b * 2^-7 in the dtype (exact), which is
-    what ``_decode_twin`` computes in the interpreter."""
+    """The inline PTX (made from the bit layout), emulated on every 16-bit code word (two words a
+    register) and random scales of the whole e4m3 range: each output half equals e2m1 * s_b * 2^-7
+    in the dtype (exact), which is what ``_decode_twin`` computes in the interpreter."""
     from kvserve.kernels import triton_w4a16 as k
     from kvserve.kernels.triton_w4a16 import MAG_AT, SIGN_AT
 

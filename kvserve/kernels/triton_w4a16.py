@@ -52,83 +52,52 @@ from kvserve.quant.nvfp4 import NVFP4_GROUP_SIZE, unpack_e2m1
 
 logger = init_logger(__name__)
 CHUNK = 64  # K elements per chunk: four scale groups, 16 int16 words
-MAG_AT = (6, 3, 0, 9)  # where element j's magnitude bits start in its word (the PTX and _chunk spell these out)
+MAG_AT = (6, 3, 0, 9)  # where element j's magnitude bits start in its word (the PTX is made from these; _chunk spells them out)
 SIGN_AT = (15, 12, 13, 14)  # and its sign bit
 _LOCKS = 1 << 16  # tile counters per device (stream-K); launches with more tiles take whole tiles
 DENSE_FROM_M = 2048  # batch rows from which the weight is dequantized for cuBLAS (untuned until the H200 sweep)
 DENSE_MAX_BYTES = 1 << 30  # the largest bf16 weight copy that path makes (the 27B's gate | up: 356 MB)
 
-# element pairs -> bf16x2 e2m1 * s_b * 2^-7: $4 = two code words, $5/$7/$9/$11 = the bf16x2 scales of j = 0..3
-_DECODE_BF16 = tl.constexpr("""{
-.reg .b32 t, u;
-and.b32 t, $4, 0x81C081C0;
-mul.rn.bf16x2 $0, t, $5;
-shl.b32 t, $4, 3;
-and.b32 t, t, 0x81C081C0;
-mul.rn.bf16x2 $1, t, $7;
-shl.b32 t, $4, 6;
-and.b32 t, t, 0x01C001C0;
-shl.b32 u, $4, 2;
-and.b32 u, u, 0x80008000;
-or.b32 t, t, u;
-mul.rn.bf16x2 $2, t, $9;
-shr.b32 t, $4, 3;
-and.b32 t, t, 0x01C001C0;
-shl.b32 u, $4, 1;
-and.b32 u, u, 0x80008000;
-or.b32 t, t, u;
-mul.rn.bf16x2 $3, t, $11;
-}""")
-# the fp16 twin: magnitude to bits 9-11 (e2m1 * 2^-14), scales s_b * 2^7
-_DECODE_FP16 = tl.constexpr("""{
-.reg .b32 t, u;
-shl.b32 t, $4, 3;
-and.b32 t, t, 0x0E000E00;
-and.b32 u, $4, 0x80008000;
-or.b32 t, t, u;
-mul.rn.f16x2 $0, t, $5;
-shl.b32 t, $4, 6;
-and.b32 t, t, 0x0E000E00;
-shl.b32 u, $4, 3;
-and.b32 u, u, 0x80008000;
-or.b32 t, t, u;
-mul.rn.f16x2 $1, t, $7;
-shl.b32 t, $4, 9;
-and.b32 t, t, 0x0E000E00;
-shl.b32 u, $4, 2;
-and.b32 u, u, 0x80008000;
-or.b32 t, t, u;
-mul.rn.f16x2 $2, t, $9;
-and.b32 t, $4, 0x0E000E00;
-shl.b32 u, $4, 1;
-and.b32 u, u, 0x80008000;
-or.b32 t, t, u;
-mul.rn.f16x2 $3, t, $11;
-}""")
-# the four S0E5M3 bytes of a chunk ($4) -> bf16x2 (s_b * 2^119, twice): exponent + 224, mantissa << 4
-_SCALES_BF16 = tl.constexpr("""{
-.reg .b32 t;
-prmt.b32 t, $4, 0, 0x4040;
-mad.lo.u32 $0, t, 16, 0x70007000;
-prmt.b32 t, $4, 0, 0x4141;
-mad.lo.u32 $1, t, 16, 0x70007000;
-prmt.b32 t, $4, 0, 0x4242;
-mad.lo.u32 $2, t, 16, 0x70007000;
-prmt.b32 t, $4, 0, 0x4343;
-mad.lo.u32 $3, t, 16, 0x70007000;
-}""")
-# -> fp16x2 (s_b * 2^7, twice): the byte is bits 14-7 of the fp16
-_SCALES_FP16 = tl.constexpr("""{
-.reg .b32 t;
-prmt.b32 t, $4, 0, 0x4040;
-shl.b32 $0, t, 7;
-prmt.b32 t, $4, 0, 0x4141;
-shl.b32 $1, t, 7;
-prmt.b32 t, $4, 0, 0x4242;
-shl.b32 $2, t, 7;
-prmt.b32 t, $4, 0, 0x4343;
-shl.b32 $3, t, 7;
-}""")
+def _shifted(dst: str, src: str, by: int) -> list[str]:
+    """PTX moving ``src`` left by ``by`` bits (right when negative) into ``dst``."""
+    return [f"shl.b32 {dst}, {src}, {by};"] if by > 0 else [f"shr.b32 {dst}, {src}, {-by};"] if by < 0 else []
+
+
+def _decode_text(mag_to: int, mul: str) -> str:
+    """The decode PTX: ``$4`` = two code words, ``$5 / $7 / $9 / $11`` = the scale pairs of j = 0..3
+    -> ``$j`` = element j of both words, its magnitude moved to bits ``mag_to`` .. + 2 of each half
+    (bf16: 6, the pair reads e2m1 * 2^-126; fp16: 9, e2m1 * 2^-14) and its sign to bit 15, times
+    the scale pair by ``mul``. One shift serves both where the layout puts them the same distance."""
+    mag_mask, sign_mask = (7 << mag_to) * 0x10001, 0x80008000
+    lines = ["{", ".reg .b32 t, u;"]
+    for j in range(4):
+        to_mag, to_sign = mag_to - MAG_AT[j], 15 - SIGN_AT[j]
+        if to_mag == to_sign:
+            shift = _shifted("t", "$4", to_mag)
+            lines += shift + [f"and.b32 t, {'t' if shift else '$4'}, {mag_mask | sign_mask:#010x};"]
+        else:
+            mag, sign = _shifted("t", "$4", to_mag), _shifted("u", "$4", to_sign)
+            lines += mag + [f"and.b32 t, {'t' if mag else '$4'}, {mag_mask:#010x};"]
+            lines += sign + [f"and.b32 u, {'u' if sign else '$4'}, {sign_mask:#010x};", "or.b32 t, t, u;"]
+        lines.append(f"{mul} ${j}, t, ${5 + 2 * j};")
+    return "\n".join(lines + ["}"])
+
+
+def _scales_text(bf16: bool) -> str:
+    """The scale PTX: the four S0E5M3 bytes of a chunk (``$4``) -> ``$j`` = byte j's scale in both
+    halves: bf16 ``s_b * 2^119`` (exponent + 224, mantissa << 4: a multiply-add), fp16 ``s_b * 2^7``
+    (the byte is bits 14-7 of the fp16)."""
+    lines = ["{", ".reg .b32 t;"]
+    for j in range(4):
+        lines.append(f"prmt.b32 t, $4, 0, 0x4{j}4{j};")  # byte j to bytes 0 and 2, zeros between
+        lines.append(f"mad.lo.u32 ${j}, t, 16, 0x70007000;" if bf16 else f"shl.b32 ${j}, t, 7;")
+    return "\n".join(lines + ["}"])
+
+
+_DECODE_BF16 = tl.constexpr(_decode_text(6, "mul.rn.bf16x2"))
+_DECODE_FP16 = tl.constexpr(_decode_text(9, "mul.rn.f16x2"))
+_SCALES_BF16 = tl.constexpr(_scales_text(True))
+_SCALES_FP16 = tl.constexpr(_scales_text(False))
 
 
 @dataclass(frozen=True)
@@ -278,6 +247,19 @@ def _dequantize_kernel(w_ptr, s_ptr, g_ptr, out_ptr, N, K, stride_wn, stride_sn,
 
 
 @triton.jit
+def _decode_ptx(w, sc, SCALES: tl.constexpr, DECODE_ASM: tl.constexpr, TY: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The four k16 steps' weights of a chunk, ``e2m1 * s_b * 2^-7`` in TY, by the inline PTX: the
+    scale pairs once a row (``SCALES``), then the code words two at a time (``DECODE_ASM``)."""
+    s0, s1, s2, s3 = tl.inline_asm_elementwise(
+        SCALES, "=r,=r,=r,=r,r", [sc], dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+    return tl.inline_asm_elementwise(
+        DECODE_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r",
+        [w, s0[:, None].broadcast_to(BLOCK_N, 16), s1[:, None].broadcast_to(BLOCK_N, 16),
+         s2[:, None].broadcast_to(BLOCK_N, 16), s3[:, None].broadcast_to(BLOCK_N, 16)],
+        dtype=(TY.value, TY.value, TY.value, TY.value), is_pure=True, pack=2)
+
+
+@triton.jit
 def _chunk(acc, w_rows, s_rows, x_cols, c, K, n_ok, m_ok, BLOCK_N: tl.constexpr, DECODE: tl.constexpr,
            EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
     """acc += chunk c of W (rows at ``w_rows`` / ``s_rows``) times x^T (columns at ``x_cols``): the
@@ -301,28 +283,11 @@ def _chunk(acc, w_rows, s_rows, x_cols, c, K, n_ok, m_ok, BLOCK_N: tl.constexpr,
         x1 = tl.load(x_cols + c * 64 + 16, mask=xm & (k0 + 16 < K), other=0.0)
         x2 = tl.load(x_cols + c * 64 + 32, mask=xm & (k0 + 32 < K), other=0.0)
         x3 = tl.load(x_cols + c * 64 + 48, mask=xm & (k0 + 48 < K), other=0.0)
-    if DECODE == 1:
-        s0, s1, s2, s3 = tl.inline_asm_elementwise(
-            _SCALES_BF16, "=r,=r,=r,=r,r", [sc], dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
-            is_pure=True, pack=1)
-        w0, w1, w2, w3 = tl.inline_asm_elementwise(
-            _DECODE_BF16, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r",
-            [w, s0[:, None].broadcast_to(BLOCK_N, 16), s1[:, None].broadcast_to(BLOCK_N, 16),
-             s2[:, None].broadcast_to(BLOCK_N, 16), s3[:, None].broadcast_to(BLOCK_N, 16)],
-            dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16), is_pure=True, pack=2)
-        acc = tl.dot(w0, x0, acc)
-        acc = tl.dot(w1, x1, acc)
-        acc = tl.dot(w2, x2, acc)
-        acc = tl.dot(w3, x3, acc)
-    elif DECODE == 2:
-        s0, s1, s2, s3 = tl.inline_asm_elementwise(
-            _SCALES_FP16, "=r,=r,=r,=r,r", [sc], dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
-            is_pure=True, pack=1)
-        w0, w1, w2, w3 = tl.inline_asm_elementwise(
-            _DECODE_FP16, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r",
-            [w, s0[:, None].broadcast_to(BLOCK_N, 16), s1[:, None].broadcast_to(BLOCK_N, 16),
-             s2[:, None].broadcast_to(BLOCK_N, 16), s3[:, None].broadcast_to(BLOCK_N, 16)],
-            dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=2)
+    if DECODE == 1 or DECODE == 2:
+        if DECODE == 1:
+            w0, w1, w2, w3 = _decode_ptx(w, sc, _SCALES_BF16, _DECODE_BF16, tl.bfloat16, BLOCK_N)
+        else:
+            w0, w1, w2, w3 = _decode_ptx(w, sc, _SCALES_FP16, _DECODE_FP16, tl.float16, BLOCK_N)
         acc = tl.dot(w0, x0, acc)
         acc = tl.dot(w1, x1, acc)
         acc = tl.dot(w2, x2, acc)
