@@ -53,6 +53,9 @@ def finalize_quantized_model(model: nn.Module, max_batch_tokens: int, dtype: tor
                 m.finalize()
             except ValueError as e:
                 raise ValueError(f"{name}: {e}") from None
+    device = next(model.parameters()).device
+    if device.type == "cuda":  # the repacks' temporaries back to the driver before the memory plan reads it
+        torch.cuda.empty_cache()
     nvfp4 = [m for m in model.modules() if isinstance(m, NVFP4Linear)]
     experts = [m for m in model.modules() if isinstance(m, NVFP4Experts)]
     fp8 = [m for m in model.modules() if isinstance(m, FP8Linear)]
