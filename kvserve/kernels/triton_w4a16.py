@@ -22,7 +22,7 @@ is the left operand, decoded in its register layout; x comes through shared memo
 batch of 1-16 rows still fills a 64-row MMA. The (tile, chunk) work is split evenly over a fixed
 number of programs (stream-K): a program that covers part of a tile writes its fp32 partial, and
 the last of a tile's programs to arrive (an atomic counter) sums the partials in program order
-(deterministic) and writes y. With many tiles each program takes whole tiles instead.
+(deterministic) and writes y. The programs are one wave: as many as fit the SMs at once.
 
 **Large batches** (``use_dense_path``: from ``DENSE_FROM_M`` rows, prefill chunks) dequantize the
 weight into a reused buffer (``dequantize_w4a16``, the doc's order: exactly the reference backend's
