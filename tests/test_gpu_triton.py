@@ -93,18 +93,23 @@ def _nvfp4_export(make_tiny_model, tmp_path, arch: str, **cfg):
                            kv_cache_quant_algo=None, calibration_tokens=32)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5", "qwen3_5_moe"])
 def test_w4a16_with_graphs_gives_the_reference_backends_tokens_fp32(make_tiny_model, tmp_path, arch):
-    """An NVFP4 export on the triton backend (every all-NVFP4 Linear on the W4A16 GEMM, decode in CUDA
-    graphs, stream-K tile counters inside them) gives the reference backend's tokens, which
-    multiply by the same weights dequantized once (float32: only the summation order differs)."""
+    """An NVFP4 export on the triton backend (every all-NVFP4 Linear on the W4A16 GEMM, the MoE's
+    routed experts on the grouped one; decode in CUDA graphs except for the MoE, stream-K tile
+    counters inside them) gives the reference backend's tokens, which multiply by the same weights
+    dequantized once (float32: only the summation order differs)."""
+    from kvserve.layers.quant_experts import NVFP4Experts
+    from kvserve.layers.quant_linear import NVFP4Linear
+
     folder = _nvfp4_export(make_tiny_model, tmp_path, arch)
     ref = _tokens(_llm(folder, dtype="float32", attention_backend="reference"))
     llm = _llm(folder, dtype="float32")
-    assert llm.llm_engine.runner.backend == "triton" and llm.llm_engine.runner.graphs is not None
-    from kvserve.layers.quant_linear import NVFP4Linear
-
-    assert any(isinstance(m, NVFP4Linear) for m in llm.llm_engine.runner.model.modules())
+    runner = llm.llm_engine.runner
+    assert runner.backend == "triton" and (runner.graphs is not None) == (arch != "qwen3_5_moe")
+    mods = list(runner.model.modules())
+    assert any(isinstance(m, NVFP4Linear) for m in mods)
+    assert any(isinstance(m, NVFP4Experts) for m in mods) == (arch == "qwen3_5_moe")
     assert _tokens(llm) == ref
 
 
