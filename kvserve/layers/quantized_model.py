@@ -20,9 +20,9 @@ def prepare_quantized_model(
     model: nn.Module, qc: ModelOptConfig, stacked: dict[str, tuple[str, int]], use_kernel: bool, dtype: torch.dtype
 ) -> set[str]:
     """Before loading: the NVFP4 Linears and routed experts swapped in when ``use_kernel`` (Triton
-    backend), the FP8 ones on ``quant_linear.FP8_GEMM_DEVICES``; logs once how many run each GEMM and how each
-    kind of Linear is stored.
-    Returns the checkpoint module names that load as stored (``loader/quantized_weights.py``)."""
+    backend), the FP8 ones on ``quant_linear.FP8_GEMM_DEVICES``; logs once how many run each GEMM
+    and how each kind of Linear is stored. Returns the checkpoint module names that load as stored
+    (``loader/quantized_weights.py``)."""
     device = next(model.parameters()).device
     kept = quantize_linears(model, qc, stacked, nvfp4=use_kernel, fp8=device.type in quant_linear.FP8_GEMM_DEVICES)
     if use_kernel:
@@ -41,8 +41,8 @@ def prepare_quantized_model(
 
 
 def finalize_quantized_model(model: nn.Module, max_batch_tokens: int, dtype: torch.dtype) -> None:
-    """After loading: every FP8Linear's scales settled (``FP8Linear.finalize``), every NVFP4Linear
-    repacked for its kernel (``NVFP4Linear.finalize``; a malformed one names its module), and the
+    """After loading: every FP8Linear's scales settled (``FP8Linear.finalize``), every NVFP4Linear and
+    NVFP4Experts repacked for its kernel (``finalize``; a malformed one names its module), and the
     W4A16 large-batch buffer made now when a step of ``max_batch_tokens`` can use it, so the memory
     planner counts it. Logs the quantized weights' bytes once."""
     from kvserve.kernels.triton_w4a16 import reserve_dense_buffer, use_dense_path
