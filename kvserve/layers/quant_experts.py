@@ -11,6 +11,8 @@ arithmetic (SwiGLU, the routing weight, a sum over the top-k) with each GEMM on 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -18,6 +20,9 @@ from torch import nn
 from kvserve.layers.quant_linear import frozen_param
 from kvserve.quant.modelopt import ModelOptConfig
 from kvserve.quant.nvfp4 import NVFP4_GROUP_SIZE as GROUP
+
+if TYPE_CHECKING:
+    from kvserve.kernels.triton_w4a16 import W4A16Weight
 
 
 def moe_align(top_idx: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,6 +64,7 @@ class NVFP4Experts(nn.Module):
         self.down_proj = frozen_param(device, torch.uint8, e, h, i // 2)
         self.down_proj_scale = frozen_param(device, torch.float8_e4m3fn, e, h, i // GROUP)
         self.down_proj_scale_2 = frozen_param(device, torch.float32, e, h)
+        self.packed: dict[str, W4A16Weight] = {}  # after finalize: the kernel's view of each stack
         self.finalized = False
 
     def finalize(self) -> None:
@@ -73,13 +79,8 @@ class NVFP4Experts(nn.Module):
                 setattr(self, f"{name}_codes", nn.Parameter(w.codes, requires_grad=False))
                 setattr(self, f"{name}_scales", nn.Parameter(w.scales, requires_grad=False))
                 setattr(self, f"{name}_row_scale", nn.Parameter(w.row_scale, requires_grad=False))
+                self.packed[name] = w  # the kernel's view of the same tensors
         self.finalized = True
-
-    def _weight(self, name: str, in_features: int):
-        from kvserve.kernels.triton_w4a16 import W4A16Weight
-
-        return W4A16Weight(getattr(self, f"{name}_codes"), getattr(self, f"{name}_scales"),
-                           getattr(self, f"{name}_row_scale"), in_features)
 
     def forward(self, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor:
         from kvserve.kernels.triton_w4a16 import w4a16_grouped_matmul
@@ -90,11 +91,11 @@ class NVFP4Experts(nn.Module):
         block_m = 16 if t * k <= 16 * self.num_experts else 64
         ids, block_expert = moe_align(top_idx, self.num_experts, block_m)
         h = torch.empty((t * k, 2 * self.intermediate), dtype=x.dtype, device=x.device)
-        w4a16_grouped_matmul(x, self._weight("gate_up_proj", self.hidden), ids, block_expert, block_m, k, h)
+        w4a16_grouped_matmul(x, self.packed["gate_up_proj"], ids, block_expert, block_m, k, h)
         gate, up = h.chunk(2, dim=-1)
         a = F.silu(gate) * up
         d = torch.empty((t * k, self.hidden), dtype=x.dtype, device=x.device)
-        w4a16_grouped_matmul(a, self._weight("down_proj", self.intermediate), ids, block_expert, block_m, 1, d)
+        w4a16_grouped_matmul(a, self.packed["down_proj"], ids, block_expert, block_m, 1, d)
         return (d.view(t, k, self.hidden) * top_w[..., None]).sum(dim=1)
 
     def init_dummy(self, gen: torch.Generator) -> None:

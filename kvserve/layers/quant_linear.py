@@ -61,13 +61,14 @@ class NVFP4Linear(nn.Module):
         self.codes = nn.Parameter(packed.codes, requires_grad=False)
         self.scales = nn.Parameter(packed.scales, requires_grad=False)
         self.row_scale = nn.Parameter(packed.row_scale, requires_grad=False)
+        self.packed = packed  # the kernel's view of the same tensors
         self.finalized = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from kvserve.kernels.triton_w4a16 import W4A16Weight, w4a16_matmul
+        from kvserve.kernels.triton_w4a16 import w4a16_matmul
 
         assert self.finalized, "NVFP4Linear.finalize() runs after loading"
-        y = w4a16_matmul(x, W4A16Weight(self.codes, self.scales, self.row_scale, self.in_features))
+        y = w4a16_matmul(x, self.packed)
         return y if self.bias is None else y + self.bias
 
     def init_dummy(self, gen: torch.Generator) -> None:
