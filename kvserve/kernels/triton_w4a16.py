@@ -426,17 +426,16 @@ def ctas_per_sm(n_regs: int, shared_bytes: int, num_warps: int, regs_per_sm: int
     return max(1, min(by_regs, by_smem, threads_per_sm // (32 * num_warps)))
 
 
-def _ctas_per_sm(kernel, args: list, meta: dict, device: torch.device) -> int:
-    """``ctas_per_sm`` of this compiled variant (asked once per variant), so the stream-K split
-    fills exactly one wave."""
+def _ctas_per_sm(kernel, make_args, meta: dict, dtype: torch.dtype, device: torch.device) -> int:
+    """``ctas_per_sm`` of this compiled variant (asked once per variant: ``make_args`` builds a
+    launch's arguments only then), so the stream-K split fills exactly one wave."""
     if device.type != "cuda":
         return _INTERPRETER_CTAS_PER_SM
-    key = (getattr(kernel, "__name__", id(kernel)), device, tuple(sorted(meta.items())),
-           tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))
+    key = (id(kernel), device, dtype, tuple(meta.values()))  # (meta's keys come in one order)
     occ = _occupancy.get(key)
     if occ is None:
         try:
-            compiled = kernel.warmup(*args, grid=(1,), **meta)
+            compiled = kernel.warmup(*make_args(), grid=(1,), **meta)
             compiled._init_handles()  # loads it: the register count is known from here
             props = torch.cuda.get_device_properties(device)
             occ = ctas_per_sm(compiled.n_regs, compiled.metadata.shared, meta["num_warps"],
@@ -500,7 +499,7 @@ def w4a16_matmul(x: torch.Tensor, weight: W4A16Weight, out: torch.Tensor | None 
     if t.programs_per_sm == 0 or n_tiles > _LOCKS:
         programs = n_tiles
     else:
-        per_sm = t.programs_per_sm or _ctas_per_sm(_w4a16_kernel, args(1, y, y), meta, x.device)
+        per_sm = t.programs_per_sm or _ctas_per_sm(_w4a16_kernel, lambda: args(1, y, y), meta, x.dtype, x.device)
         programs = min(units, t.programs or num_sms(x.device) * per_sm)
     streamed = programs != n_tiles  # (with one program a tile, each takes exactly its tile)
     part = torch.empty((programs, 2, t.block_n, t.block_m), dtype=torch.float32, device=x.device) if streamed else y
