@@ -55,7 +55,7 @@ CHUNK = 64  # K elements per chunk: four scale groups, 16 int16 words
 MAG_AT = (6, 3, 0, 9)  # where element j's magnitude bits start in its word (the PTX is made from these; _chunk spells them out)
 SIGN_AT = (15, 12, 13, 14)  # and its sign bit
 _LOCKS = 1 << 16  # tile counters per device (stream-K); launches with more tiles take whole tiles
-DENSE_FROM_M = 2048  # batch rows from which the weight is dequantized for cuBLAS (untuned until the H200 sweep)
+DENSE_FROM_M = 256  # batch rows from which the weight is dequantized for cuBLAS (H200: cheaper than the fused kernel at 256)
 DENSE_MAX_BYTES = 1 << 30  # the largest bf16 weight copy that path makes (the 27B's gate | up: 356 MB)
 
 def _shifted(dst: str, src: str, by: int) -> list[str]:
@@ -171,7 +171,8 @@ class W4A16Tiles:
     """Launch tiles: output rows (W) x batch rows (x) of a program's accumulator, K chunks per loop
     step, warps, pipeline stages, and programs per SM for the stream-K split: None = as many as fit
     an SM at once (the compiled kernel's registers, shared memory and warps), 0 = one program per
-    tile (no split)."""
+    tile (no split). ``maxnreg`` caps a thread's registers (None: the compiler's choice), which sets
+    how many programs fit an SM."""
 
     block_n: int
     block_m: int
@@ -180,6 +181,7 @@ class W4A16Tiles:
     num_stages: int = 3
     programs_per_sm: int | None = None
     programs: int = 0  # an exact program count instead (tests of the stream-K split)
+    maxnreg: int | None = None
 
 
 def default_tiles(m: int, n: int, k: int) -> W4A16Tiles:
@@ -363,6 +365,7 @@ def _w4a16_kernel(
 
 
 _locks: dict[torch.device, torch.Tensor] = {}
+_empty_parts: dict[torch.device, torch.Tensor] = {}
 
 
 def _tile_locks(device: torch.device) -> torch.Tensor:
@@ -371,6 +374,14 @@ def _tile_locks(device: torch.device) -> torch.Tensor:
     if lock is None:
         lock = _locks[device] = torch.zeros(_LOCKS, dtype=torch.int32, device=device)
     return lock
+
+
+def _no_parts(device: torch.device) -> torch.Tensor:
+    """The fp32 partial-sum argument of a launch with one program a tile (never read or written)."""
+    part = _empty_parts.get(device)
+    if part is None:
+        part = _empty_parts[device] = torch.zeros(1, dtype=torch.float32, device=device)
+    return part
 
 
 def dequantize_w4a16(weight: W4A16Weight, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -490,6 +501,8 @@ def w4a16_matmul(x: torch.Tensor, weight: W4A16Weight, out: torch.Tensor | None 
     units = n_tiles * n_chunks
     meta = dict(BLOCK_N=t.block_n, BLOCK_M=t.block_m, CHUNKS=t.chunks, DECODE=_decode_mode(x),
                 EVEN_N=n % t.block_n == 0, EVEN_K=k % CHUNK == 0, num_warps=t.num_warps, num_stages=t.num_stages)
+    if t.maxnreg is not None and x.device.type == "cuda":
+        meta["maxnreg"] = t.maxnreg
 
     def args(programs: int, part: torch.Tensor, lock: torch.Tensor) -> list:
         return [x2, weight.codes, weight.scales.view(torch.int32), weight.row_scale, y, part, lock,
@@ -499,11 +512,14 @@ def w4a16_matmul(x: torch.Tensor, weight: W4A16Weight, out: torch.Tensor | None 
     if t.programs_per_sm == 0 or n_tiles > _LOCKS:
         programs = n_tiles
     else:
-        per_sm = t.programs_per_sm or _ctas_per_sm(_w4a16_kernel, lambda: args(1, y, y), meta, x.dtype, x.device)
+        per_sm = t.programs_per_sm or _ctas_per_sm(
+            _w4a16_kernel, lambda: args(1, _no_parts(x.device), _tile_locks(x.device)), meta, x.dtype, x.device)
         programs = min(units, t.programs or num_sms(x.device) * per_sm)
     streamed = programs != n_tiles  # (with one program a tile, each takes exactly its tile)
-    part = torch.empty((programs, 2, t.block_n, t.block_m), dtype=torch.float32, device=x.device) if streamed else y
-    lock = _tile_locks(x.device) if streamed else y
+    # (the pointers keep their dtypes when unused, so that one compile serves both kinds of launch)
+    part = torch.empty((programs, 2, t.block_n, t.block_m), dtype=torch.float32, device=x.device) if streamed \
+        else _no_parts(x.device)
+    lock = _tile_locks(x.device)
     _w4a16_kernel[(programs,)](*args(programs, part, lock), **meta)
     return y.reshape(*x.shape[:-1], n)
 
