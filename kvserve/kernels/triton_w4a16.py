@@ -185,16 +185,17 @@ class W4A16Tiles:
 
 
 def default_tiles(m: int, n: int, k: int) -> W4A16Tiles:
-    """The launch tiles for an [m, k] x [k, n] product (untuned until the H200 sweep lands). Stream-K
-    over one wave of programs: 136 whole 128-row tiles of a 17408-row weight would leave 4 SMs a
-    second tile each."""
+    """The launch tiles for an [m, k] x [k, n] product: the fastest of the H200 sweep on the 27B MLP
+    shapes (benchmarks/RESULTS.md; batch 32 was not in it and takes batch 64's loop). Stream-K over
+    one wave of programs: 136 whole 128-row tiles of a 17408-row weight would leave 4 SMs a second
+    tile each."""
     if m <= 16:
         return W4A16Tiles(128, 16, 2, 4, 3)
     if m <= 32:
-        return W4A16Tiles(128, 32, 2, 4, 3)
+        return W4A16Tiles(128, 32, 1, 4, 3)
     if m <= 64:
-        return W4A16Tiles(128, 64, 2, 4, 3)
-    return W4A16Tiles(128, 128, 1, 8, 3)
+        return W4A16Tiles(128, 64, 1, 4, 3)
+    return W4A16Tiles(128, 128, 2, 8, 3)
 
 
 @triton.jit
