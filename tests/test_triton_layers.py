@@ -156,7 +156,9 @@ def test_silu_and_mul_matches_torch(dtype, n):
 def test_fp8_static_quant_equals_torch_bit_for_bit(dtype, shape):
     """The FP8 layers' activation quantisation against ``quantize_fp8_static`` (vLLM's formula): every
     byte equal, values past +-448 clamped, NaN kept, infinities saturated; several sizes around the
-    1024-element block."""
+    1024-element block. A NaN's sign is not compared: CUDA's conversion gives the canonical 0x7F
+    (as vLLM's CUDA kernel), torch's CPU conversion keeps the sign (0xFF from a negative NaN, which
+    the H200's torch made of this bf16 NaN, 2026-12-01)."""
     from kvserve.kernels.triton_layers import fp8_static_quant
     from kvserve.quant.nvfp4 import quantize_fp8_static
 
@@ -167,8 +169,10 @@ def test_fp8_static_quant_equals_torch_bit_for_bit(dtype, shape):
     want = quantize_fp8_static(x, inv)
     got = fp8_static_quant(x.to(DEV), inv.to(DEV)).cpu()
     assert got.dtype == torch.float8_e4m3fn and got.shape == x.shape
-    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
-    assert bool((want.float().abs() == 448).any()) and bool(torch.isnan(got.float()).view(-1)[0])
+    nan = torch.isnan(want.float())
+    assert torch.equal(torch.isnan(got.float()), nan) and bool(nan.view(-1)[0])
+    assert torch.equal(got.view(torch.uint8)[~nan], want.view(torch.uint8)[~nan])
+    assert bool((want.float().abs() == 448).any())
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
