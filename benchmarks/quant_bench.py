@@ -84,18 +84,21 @@ def _copies(nbytes: int) -> int:
 def sweep_tiles(m: int) -> list:
     """The tiles a sweep tries at batch ``m``, fewest compiles first (``programs_per_sm`` is a launch
     argument, no extra compile: None = one wave at the compiled kernel's occupancy, 0 = one program
-    a tile; ``maxnreg`` 128 lets 4 programs of 4 warps share an SM)."""
+    a tile; ``maxnreg`` 128 lets 4 programs of 4 warps share an SM; first the tiles with a chunk as
+    one K = 64 dot, ``one_dot``)."""
     from kvserve.kernels.triton_w4a16 import W4A16Tiles
 
+    bm = next(b for b in (16, 32, 64, 128) if m <= b or b == 128)
+    one = [W4A16Tiles(128, bm, ch, 4 if bm <= 64 else 8, st, one_dot=True) for ch in (1, 2) for st in (3, 4)]
     if m <= 16:
-        return ([W4A16Tiles(bn, 16, ch, 4, st, None, 0, reg) for reg in (None, 128) for bn in (128, 64)
-                 for ch in (2, 1, 4) for st in (3, 4)]
-                + [W4A16Tiles(128, 16, 2, 4, 3, 0), W4A16Tiles(256, 16, 2, 8, 3), W4A16Tiles(128, 16, 2, 8, 3)])
+        return one + ([W4A16Tiles(bn, 16, ch, 4, st, None, 0, reg) for reg in (None, 128) for bn in (128, 64)
+                       for ch in (2, 1, 4) for st in (3, 4)]
+                      + [W4A16Tiles(128, 16, 2, 4, 3, 0), W4A16Tiles(256, 16, 2, 8, 3), W4A16Tiles(128, 16, 2, 8, 3)])
     if m <= 64:
-        return [W4A16Tiles(128, bm, ch, w, 3, None, 0, reg) for bm in (64, 32) for ch in (2, 1) for w, reg in
-                ((4, None), (4, 128), (8, None))]
-    return ([W4A16Tiles(bn, bm, ch, 8, 3) for bm, bn in ((128, 128), (64, 128), (64, 256)) for ch in (1, 2)]
-            + [W4A16Tiles(64, 256, 1, 4, 3), W4A16Tiles(128, 256, 1, 8, 3)])
+        return one + [W4A16Tiles(128, bm, ch, w, 3, None, 0, reg) for bm in (64, 32) for ch in (2, 1)
+                      for w, reg in ((4, None), (4, 128), (8, None))]
+    return one + ([W4A16Tiles(bn, bm, ch, 8, 3) for bm, bn in ((128, 128), (64, 128), (64, 256)) for ch in (1, 2)]
+                  + [W4A16Tiles(64, 256, 1, 4, 3), W4A16Tiles(128, 256, 1, 8, 3)])
 
 
 def bench(shapes: dict, batches: list[int], sweep: int, budget_s: float, doc: dict, save) -> None:

@@ -223,6 +223,29 @@ def test_w4a16_stream_k_splits_and_leading_dims(tiles):
 
 
 @skip_without_triton_device()
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", SHAPES[:2] + SHAPES[3:4] + ([(16, 17408, 5120)] if DEV == "cuda" else []),
+                         ids=lambda s: "x".join(map(str, s)))
+def test_w4a16_one_dot_equals_four_dots(dtype, shape):
+    """``W4A16Tiles.one_dot`` (a chunk's four k16 steps joined in K order into one K = 64 dot): within
+    the float64 bound of the exact weights like the four dots (K and N not multiples of the tiles
+    included), and on CUDA equal to them bit for bit (the same k16 MMAs in the same order)."""
+    from kvserve.kernels.triton_w4a16 import W4A16Tiles, pack_w4a16, w4a16_matmul
+
+    m, n, k = shape
+    (packed, block_scale, s2), gen = _quantized(n, k, m + n + k)
+    x = (torch.randn(m, k, generator=gen) * 2).to(dtype)
+    wt = pack_w4a16(packed.to(DEV), block_scale.to(DEV), s2.to(DEV))
+    got = {}
+    for one_dot in (False, True):
+        out = torch.full((m, n), float("nan"), dtype=dtype, device=DEV)
+        got[one_dot] = w4a16_matmul(x.to(DEV), wt, out=out, tiles=W4A16Tiles(64, 16, 2, 4, 3, one_dot=one_dot)).cpu()
+        assert _bound_ok(got[one_dot], x, _exact(packed, block_scale, s2))
+    if DEV == "cuda":
+        assert torch.equal(got[True], got[False])
+
+
+@skip_without_triton_device()
 def test_w4a16_per_row_global_scales_of_fused_siblings():
     """gate | up quantized apart (their own global scales) and stacked: one launch with a [N] global
     scale equals each half's own product."""

@@ -182,6 +182,7 @@ class W4A16Tiles:
     programs_per_sm: int | None = None
     programs: int = 0  # an exact program count instead (tests of the stream-K split)
     maxnreg: int | None = None
+    one_dot: bool = False  # a chunk's four k16 steps as one K = 64 dot (one wgmma wait, not four)
 
 
 def default_tiles(m: int, n: int, k: int) -> W4A16Tiles:
@@ -263,10 +264,19 @@ def _decode_ptx(w, sc, SCALES: tl.constexpr, DECODE_ASM: tl.constexpr, TY: tl.co
 
 
 @triton.jit
+def _mma(acc, a, b, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
 def _chunk(acc, w_rows, s_rows, x_cols, c, K, n_ok, m_ok, BLOCK_N: tl.constexpr, DECODE: tl.constexpr,
-           EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
+           EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, ONE_DOT: tl.constexpr):
     """acc += chunk c of W (rows at ``w_rows`` / ``s_rows``) times x^T (columns at ``x_cols``): the
-    four k16 steps, each a decode and an MMA."""
+    four k16 steps' decodes, then their MMAs, as four dots or (``ONE_DOT``) the steps joined in K
+    order into one K = 64 dot (the same k16 MMAs in the same order, one wait for them; x loaded as
+    one [64, BLOCK_M] tile instead compiles to 157 registers, not 127)."""
     ri = tl.arange(0, 16)
     if EVEN_N:
         w = tl.load(w_rows + c * 16)  # [BLOCK_N, 16] int16
@@ -286,25 +296,25 @@ def _chunk(acc, w_rows, s_rows, x_cols, c, K, n_ok, m_ok, BLOCK_N: tl.constexpr,
         x1 = tl.load(x_cols + c * 64 + 16, mask=xm & (k0 + 16 < K), other=0.0)
         x2 = tl.load(x_cols + c * 64 + 32, mask=xm & (k0 + 32 < K), other=0.0)
         x3 = tl.load(x_cols + c * 64 + 48, mask=xm & (k0 + 48 < K), other=0.0)
-    if DECODE == 1 or DECODE == 2:
-        if DECODE == 1:
-            w0, w1, w2, w3 = _decode_ptx(w, sc, _SCALES_BF16, _DECODE_BF16, tl.bfloat16, BLOCK_N)
-        else:
-            w0, w1, w2, w3 = _decode_ptx(w, sc, _SCALES_FP16, _DECODE_FP16, tl.float16, BLOCK_N)
-        acc = tl.dot(w0, x0, acc)
-        acc = tl.dot(w1, x1, acc)
-        acc = tl.dot(w2, x2, acc)
-        acc = tl.dot(w3, x3, acc)
-    elif DECODE == 3:
-        acc = tl.dot(_decode_twin(w, sc, 6, 15, 0, tl.float32), x0, acc, input_precision="ieee")
-        acc = tl.dot(_decode_twin(w, sc, 3, 12, 1, tl.float32), x1, acc, input_precision="ieee")
-        acc = tl.dot(_decode_twin(w, sc, 0, 13, 2, tl.float32), x2, acc, input_precision="ieee")
-        acc = tl.dot(_decode_twin(w, sc, 9, 14, 3, tl.float32), x3, acc, input_precision="ieee")
+    if DECODE == 1:
+        w0, w1, w2, w3 = _decode_ptx(w, sc, _SCALES_BF16, _DECODE_BF16, tl.bfloat16, BLOCK_N)
+    elif DECODE == 2:
+        w0, w1, w2, w3 = _decode_ptx(w, sc, _SCALES_FP16, _DECODE_FP16, tl.float16, BLOCK_N)
     else:
-        acc = tl.dot(_decode_twin(w, sc, 6, 15, 0, x_cols.dtype.element_ty), x0, acc)
-        acc = tl.dot(_decode_twin(w, sc, 3, 12, 1, x_cols.dtype.element_ty), x1, acc)
-        acc = tl.dot(_decode_twin(w, sc, 0, 13, 2, x_cols.dtype.element_ty), x2, acc)
-        acc = tl.dot(_decode_twin(w, sc, 9, 14, 3, x_cols.dtype.element_ty), x3, acc)
+        ty = tl.float32 if DECODE == 3 else x_cols.dtype.element_ty
+        w0 = _decode_twin(w, sc, 6, 15, 0, ty)
+        w1 = _decode_twin(w, sc, 3, 12, 1, ty)
+        w2 = _decode_twin(w, sc, 0, 13, 2, ty)
+        w3 = _decode_twin(w, sc, 9, 14, 3, ty)
+    if ONE_DOT:  # [.., 16, 2, 2] with step j = 2p + q, moved to K order: k = 16 j + i
+        wk = tl.reshape(tl.permute(tl.join(tl.join(w0, w2), tl.join(w1, w3)), (0, 2, 3, 1)), (BLOCK_N, 64))
+        xk = tl.reshape(tl.permute(tl.join(tl.join(x0, x2), tl.join(x1, x3)), (2, 3, 0, 1)), (64, xm.shape[1]))
+        acc = _mma(acc, wk, xk, DECODE == 3)
+    else:
+        acc = _mma(acc, w0, x0, DECODE == 3)
+        acc = _mma(acc, w1, x1, DECODE == 3)
+        acc = _mma(acc, w2, x2, DECODE == 3)
+        acc = _mma(acc, w3, x3, DECODE == 3)
     return acc
 
 
@@ -314,7 +324,7 @@ def _w4a16_kernel(
     M, N, K, n_chunks, tiles_n, units, programs,
     stride_xm, stride_wn, stride_sn, stride_ym,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, CHUNKS: tl.constexpr, DECODE: tl.constexpr,
-    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, ONE_DOT: tl.constexpr,
 ):
     """Program p takes work units [p U / P, (p + 1) U / P) of U = tiles x chunks (tile-major). DECODE:
     1 bf16 PTX, 2 fp16 PTX, 0 the Triton twin (interpreter) with x's dtype, 3 the twin in fp32
@@ -338,7 +348,7 @@ def _w4a16_kernel(
         x_cols = x_ptr + rm.to(tl.int64)[None, :] * stride_xm + ri[:, None]
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for c in tl.range(c_begin, c_end, loop_unroll_factor=CHUNKS):
-            acc = _chunk(acc, w_rows, s_rows, x_cols, c, K, n_ok, m_ok, BLOCK_N, DECODE, EVEN_N, EVEN_K)
+            acc = _chunk(acc, w_rows, s_rows, x_cols, c, K, n_ok, m_ok, BLOCK_N, DECODE, EVEN_N, EVEN_K, ONE_DOT)
         g = tl.load(g_ptr + rn, mask=n_ok, other=0.0)
         y_at = y_ptr + rm.to(tl.int64)[None, :] * stride_ym + rn[:, None]
         y_ok = n_ok[:, None] & m_ok[None, :]
@@ -501,7 +511,8 @@ def w4a16_matmul(x: torch.Tensor, weight: W4A16Weight, out: torch.Tensor | None 
     n_tiles = tiles_n * tiles_m
     units = n_tiles * n_chunks
     meta = dict(BLOCK_N=t.block_n, BLOCK_M=t.block_m, CHUNKS=t.chunks, DECODE=_decode_mode(x),
-                EVEN_N=n % t.block_n == 0, EVEN_K=k % CHUNK == 0, num_warps=t.num_warps, num_stages=t.num_stages)
+                EVEN_N=n % t.block_n == 0, EVEN_K=k % CHUNK == 0, ONE_DOT=t.one_dot, num_warps=t.num_warps,
+                num_stages=t.num_stages)
     if t.maxnreg is not None and x.device.type == "cuda":
         meta["maxnreg"] = t.maxnreg
 
@@ -531,7 +542,7 @@ def _w4a16_grouped_kernel(
     N, K, n_chunks, num_experts,
     stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_ge, stride_ym,
     ROW_DIV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, CHUNKS: tl.constexpr,
-    DECODE: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+    DECODE: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, ONE_DOT: tl.constexpr,
 ):
     """Block b of BLOCK_M routed rows, all for expert ``expert[b]`` (>= num_experts: an empty block):
     y[row] = x[row // ROW_DIV] @ W_e^T for the rows ``ids[b * BLOCK_M:]`` (-1: padding)."""
@@ -548,7 +559,7 @@ def _w4a16_grouped_kernel(
         x_cols = x_ptr + x_rows[None, :] * stride_xm + ri[:, None]
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for c in tl.range(0, n_chunks, loop_unroll_factor=CHUNKS):
-            acc = _chunk(acc, w_rows, s_rows, x_cols, c, K, n_ok, m_ok, BLOCK_N, DECODE, EVEN_N, EVEN_K)
+            acc = _chunk(acc, w_rows, s_rows, x_cols, c, K, n_ok, m_ok, BLOCK_N, DECODE, EVEN_N, EVEN_K, ONE_DOT)
         g = tl.load(g_ptr + e.to(tl.int64) * stride_ge + rn, mask=n_ok, other=0.0)
         y_at = y_ptr + tl.where(m_ok, ids, 0).to(tl.int64)[None, :] * stride_ym + rn[:, None]
         tl.store(y_at, (acc * g[:, None]).to(y_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
@@ -583,6 +594,6 @@ def w4a16_grouped_matmul(x: torch.Tensor, weight: W4A16Weight, ids: torch.Tensor
         x.stride(0), weight.codes.stride(0), weight.codes.stride(1), weight.scales.stride(0) // 4,
         weight.scales.stride(1) // 4, weight.row_scale.stride(0), out.stride(0),
         ROW_DIV=rows_per_x, BLOCK_N=block_n, BLOCK_M=block_m, CHUNKS=2, DECODE=_decode_mode(x),
-        EVEN_N=n % block_n == 0, EVEN_K=k % CHUNK == 0, num_warps=4 if block_m <= 32 else 8, num_stages=3,
+        EVEN_N=n % block_n == 0, EVEN_K=k % CHUNK == 0, ONE_DOT=False, num_warps=4 if block_m <= 32 else 8, num_stages=3,
     )
     return out
