@@ -177,6 +177,29 @@ def test_decode_ptx_matches_the_twin_bit_for_bit(dtype):
             assert np.array_equal(got, want), (j, half, int((got != want).sum()))
 
 
+def test_decode_ptx_with_a_scale_of_2_14_gives_e2m1_exactly():
+    """The large-batch dequantisation's decode on CUDA (``_dequantize_kernel``, PTX): the fp16 PTX with
+    the scale pair 2^14 (0x7400) in place of a block scale, emulated on every 16-bit code word:
+    each output half is the code's e2m1 value in fp16 (then widened to fp32 for the doc's product)."""
+    from kvserve.kernels import triton_w4a16 as k
+    from kvserve.kernels.triton_w4a16 import MAG_AT, SIGN_AT
+
+    words = np.arange(1 << 16, dtype=np.uint32)
+    other = (words * 40503 + 12345) & 0xFFFF
+    regs = {"$4": words | (other << 16)}
+    for j in range(4):
+        regs[f"${5 + 2 * j}"] = regs[f"${6 + 2 * j}"] = np.full(words.size, 0x74007400, dtype=np.uint32)
+    out = _run_ptx(k._DECODE_FP16.value, regs)
+    lut = e2m1_table()
+    for j in range(4):
+        for half, h in ((0, words), (1, other)):
+            h = torch.from_numpy(h.astype(np.int64))
+            code = ((h >> MAG_AT[j]) & 7) | (((h >> SIGN_AT[j]) & 1) << 3)
+            want = lut[code].half().view(torch.int16).numpy().astype(np.int32) & 0xFFFF
+            got = ((out[f"${j}"] >> (16 * half)) & 0xFFFF).astype(np.int32)
+            assert np.array_equal(got, want), (j, half, int((got != want).sum()))
+
+
 @skip_without_triton_device()
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
