@@ -276,6 +276,7 @@ def _decode_ptx(w, sc, SCALES: tl.constexpr, DECODE_ASM: tl.constexpr, TY: tl.co
 
 @triton.jit
 def _mma(acc, a, b, IEEE: tl.constexpr):
+    """acc + a @ b, with IEEE fp32 products where ``IEEE`` (the fp32 twin)."""
     if IEEE:
         return tl.dot(a, b, acc, input_precision="ieee")
     return tl.dot(a, b, acc)
@@ -606,6 +607,7 @@ def w4a16_grouped_matmul(x: torch.Tensor, weight: W4A16Weight, ids: torch.Tensor
         x.stride(0), weight.codes.stride(0), weight.codes.stride(1), weight.scales.stride(0) // 4,
         weight.scales.stride(1) // 4, weight.row_scale.stride(0), out.stride(0),
         ROW_DIV=rows_per_x, BLOCK_N=block_n, BLOCK_M=block_m, CHUNKS=2, DECODE=_decode_mode(x),
-        EVEN_N=n % block_n == 0, EVEN_K=k % CHUNK == 0, ONE_DOT=False, num_warps=4 if block_m <= 32 else 8, num_stages=3,
+        EVEN_N=n % block_n == 0, EVEN_K=k % CHUNK == 0, ONE_DOT=False, num_warps=4 if block_m <= 32 else 8,
+        num_stages=3,
     )
     return out
