@@ -4,12 +4,15 @@ GEMM (``kernels/triton_w4a16.py``) against torch's bf16 GEMM (cuBLAS) on the Qwe
 (gate or up 17408 x 5120, the fused gate | up 34816 x 5120, down 5120 x 17408) at batch 1-256 and
 prefill chunks of 1024 and 4096 rows; from 128 rows both of ``w4a16_matmul``'s paths are timed (the
 fused kernel, and the weight dequantized for cuBLAS), which is what ``DENSE_FROM_M`` is set from.
+First the 27B's FP8 layers (``FP8Linear``, W8A8 per tensor) against the bf16 GEMM, with the
+fp8 GEMM's error over the sum of |products| (the accumulation it keeps).
 
 Random bf16 weights quantized by the reference codec (``quant/nvfp4.py``); every point's output is
 checked against x @ dequantize_nvfp4(W)^T (max |error| / max |reference|). Times are GPU times
 of CUDA-graph replays (``_time_ms``) over weight copies that together pass 3x the L2, for both
 engines; eager ``do_bench`` times of these ~40 us kernels carried the host's launch cost (the same
-launch measured 45 or 100 us from one call to the next on the H200, 2026-12-01). ``--sweep`` also times a grid of launch tiles per point and records every one (the tuning
+launch measured 45 or 100 us from one call to the next on the H200, 2026-12-01). ``--sweep``
+also times a grid of launch tiles per point and records every one (the tuning
 run behind ``default_tiles``); without it only the default tiles run.
 
     python3 benchmarks/quant_bench.py --out q.json               # H200 (bash benchmarks/gpu.sh quant)
@@ -39,6 +42,9 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # bf16 on the GPU; the CPU smoke run takes fp32 (the interpreter's bf16 tl.dot is wrong, see tests/triton_support.py)
 DTYPE = torch.bfloat16 if DEV == "cuda" else torch.float32
 SHAPES = {"gate_or_up": (17408, 5120), "gate_up_fused": (34816, 5120), "down": (5120, 17408)}  # (N, K)
+# the 27B's FP8 layers (MIXED_PRECISION): GDN in_proj q|k|v|z, GDN out_proj (= attention o_proj's shape)
+FP8_SHAPES = {"gdn_in_qkvz": (16384, 5120), "gdn_out": (5120, 6144)}
+FP8_BATCHES = [1, 32, 256, 4096]
 BATCHES = [1, 4, 16, 64, 128, 256, 1024, 4096]  # decode batches, then prefill chunks
 
 
@@ -162,11 +168,59 @@ def bench(shapes: dict, batches: list[int], sweep: int, budget_s: float, doc: di
             save()
 
 
+def bench_fp8(shapes: dict, batches: list[int], doc: dict, save) -> None:
+    """The FP8 layers (``FP8Linear``: the static activation quantiser, then ``torch._scaled_mm``)
+    against the bf16 GEMM of their dequantized weights, timed as above; and the GEMM's error against
+    float64 of the same fp8 operands, run in fp32 (x and out), over the sum of |products|: what the
+    accumulation keeps (fp32 accumulation: <= K 2^-24; fewer accumulator bits show as more)."""
+    from kvserve.layers.quant_linear import FP8Linear
+    from kvserve.quant.nvfp4 import quantize_fp8_per_tensor, quantize_fp8_static
+
+    gen = torch.Generator().manual_seed(1)
+    for name, (n, k) in shapes.items():
+        w = torch.randn(n, k, generator=gen) * 0.02
+        wq, s = quantize_fp8_per_tensor(w)
+        s_in = torch.tensor(4.0 / 448.0)  # activations within +-4 (randn)
+
+        def layer() -> FP8Linear:
+            f = FP8Linear(k, n, False, device=DEV)
+            with torch.no_grad():
+                f.weight.copy_(wq.to(DEV))
+                f.weight_scale.fill_(float(s))
+                f.input_scale.fill_(float(s_in))
+            f.finalize()
+            return f
+
+        layers = [layer() for _ in range(_copies(n * k))]
+        wd = (wq.float() * s).to(DTYPE).to(DEV)
+        wds = [wd] + [wd.clone() for _ in range(_copies(2 * n * k) - 1)]
+        for m in batches:
+            x = torch.randn(m, k, generator=gen).to(DTYPE).to(DEV)
+            y = torch.empty(m, n, dtype=DTYPE, device=DEV)
+            dense_ms = _time_ms([lambda c=c: torch.matmul(x, c.t(), out=y) for c in wds])
+            fp8_ms = _time_ms([lambda f=f: f(x) for f in layers])
+            x32 = x.float()
+            xq = quantize_fp8_static(x32, layers[0].inv_input_scale).cpu().double() * float(layers[0].input_scale)
+            w64 = wq.double() * float(s)
+            got = layers[0](x32).cpu().double()
+            err = float(((got - xq @ w64.T).abs() / (xq.abs() @ w64.abs().T).clamp_min(1e-30)).max())
+            row = {"shape": name, "n": n, "k": k, "m": m, "dense_ms": dense_ms, "fp8_ms": fp8_ms,
+                   "speedup": dense_ms / fp8_ms, "err_over_abs_sum": err, "fp32_bound": k * 2.0**-24}
+            doc["fp8_rows"].append(row)
+            print(f"fp8 {name:12s} m {m:4d}: bf16 {dense_ms * 1e3:8.1f} us, FP8Linear {fp8_ms * 1e3:8.1f} us "
+                  f"({dense_ms / fp8_ms:.2f}x); fp32-run error / sum|products| {err:.2e} "
+                  f"(fp32 bound {k * 2.0**-24:.1e})",
+                  flush=True)
+            save()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"of {', '.join(SHAPES)}")
     ap.add_argument("--sweep", action="store_true", help="also time a grid of launch tiles per point")
+    ap.add_argument("--fp8-batches", default=",".join(map(str, FP8_BATCHES)),
+                    help="the FP8 layers' batches ('' = none)")
     ap.add_argument("--time-budget-s", type=float, default=240.0, help="stop starting new points after this")
     ap.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, batch 1, 20 and 256, a short sweep")
     ap.add_argument("--out", default=None)
@@ -177,20 +231,25 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown shape(s) {sorted(unknown)}; accepted: {', '.join(SHAPES)}")
     shapes = {s: SHAPES[s] for s in a.shapes.split(",")}
     batches = [int(b) for b in a.batches.split(",") if b]
+    fp8_shapes, fp8_batches = FP8_SHAPES, [int(b) for b in a.fp8_batches.split(",") if b]
     if a.smoke:
         shapes, batches = {"tiny": (96, 128), "tiny_down": (64, 256)}, [1, 20, 256]
+        fp8_shapes, fp8_batches = {"tiny_fp8": (48, 64)}, [1, 20]
     doc = {"run": common.run_info("quant_bench", argv, a.smoke), "benchmark": "W4A16 NVFP4 GEMM vs bf16 GEMM",
-           "device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu", "dtype": str(DTYPE), "rows": []}
+           "device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu", "dtype": str(DTYPE), "rows": [],
+           "fp8_rows": []}
     out = a.out or common.default_out("quant")
 
     def save() -> None:
         common.write_json(out, doc)
 
+    bench_fp8(fp8_shapes, fp8_batches, doc, save)
     bench(shapes, batches, 3 if a.smoke else (10**6 if a.sweep else 0), a.time_budget_s, doc, save)
     save()
     parts = [f"{r['shape']} m{r['m']} {r['speedup']:.2f}x" for r in doc["rows"]]
+    fp8 = [f"{r['shape']} m{r['m']} {r['speedup']:.2f}x" for r in doc["fp8_rows"]]
     print(f"wrote {out}")
-    print("summary: w4a16 / bf16 GEMM speed " + ", ".join(parts))
+    print("summary: w4a16 / bf16 GEMM speed " + ", ".join(parts) + "; FP8Linear / bf16 " + ", ".join(fp8))
     return 0
 
 

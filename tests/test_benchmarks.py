@@ -65,7 +65,10 @@ def test_quant_smoke_times_the_w4a16_gemm_and_checks_it_against_the_dequantized_
         assert len(r["sweep"]) == 3 and all(t.get("rel_err", 1) < 1e-5 for t in r["sweep"]) and r["best_ms"] > 0
         # from 128 rows both paths of w4a16_matmul are timed (what DENSE_FROM_M is set from)
         assert (r["m"] >= 128) == ("fused_ms" in r) == ("dequant_cublas_ms" in r)
-    assert "summary: w4a16 / bf16 GEMM speed tiny m1" in out
+    fp8 = doc["fp8_rows"]  # the FP8 layers beside the bf16 GEMM; on the CPU an fp32-accumulated GEMM
+    assert [(r["shape"], r["m"]) for r in fp8] == [("tiny_fp8", 1), ("tiny_fp8", 20)]
+    assert all(r["dense_ms"] > 0 and r["fp8_ms"] > 0 and r["err_over_abs_sum"] <= r["fp32_bound"] for r in fp8)
+    assert "summary: w4a16 / bf16 GEMM speed tiny m1" in out and "FP8Linear / bf16 tiny_fp8 m1" in out
 
 
 def test_kernels_smoke_checks_every_kernel_against_the_reference(tmp_path):
