@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.layers.quant_linear import frozen_param
+from kvserve.layers.quant_linear import frozen_param, keep_packed
 from kvserve.quant.modelopt import ModelOptConfig
 from kvserve.quant.nvfp4 import NVFP4_GROUP_SIZE as GROUP
 
@@ -76,9 +76,7 @@ class NVFP4Experts(nn.Module):
                 w = pack_w4a16(getattr(self, name), getattr(self, f"{name}_scale"), getattr(self, f"{name}_scale_2"))
                 for part in ("", "_scale", "_scale_2"):
                     setattr(self, name + part, None)
-                setattr(self, f"{name}_codes", nn.Parameter(w.codes, requires_grad=False))
-                setattr(self, f"{name}_scales", nn.Parameter(w.scales, requires_grad=False))
-                setattr(self, f"{name}_row_scale", nn.Parameter(w.row_scale, requires_grad=False))
+                keep_packed(self, f"{name}_", w)
                 self.packed[name] = w  # the kernel's view of the same tensors
         self.finalized = True
 

@@ -21,6 +21,8 @@ mixed fused modules, FP8 off CUDA) stay dense and take the dequantized weights
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -28,10 +30,20 @@ from kvserve.quant.modelopt import ModelOptConfig
 from kvserve.quant.nvfp4 import E4M3_MAX, quantize_fp8_static
 from kvserve.quant.nvfp4 import NVFP4_GROUP_SIZE as GROUP
 
+if TYPE_CHECKING:
+    from kvserve.kernels.triton_w4a16 import W4A16Weight
+
 
 def frozen_param(device: torch.device | str | None, dtype: torch.dtype, *shape: int) -> nn.Parameter:
     """A zero-filled parameter the checkpoint fills (no gradient)."""
     return nn.Parameter(torch.zeros(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+def keep_packed(module: nn.Module, prefix: str, packed: W4A16Weight) -> None:
+    """Register a repacked NVFP4 weight's tensors on ``module`` as ``{prefix}codes``, ``{prefix}scales``
+    and ``{prefix}row_scale`` parameters (so they move and count with it)."""
+    for part in ("codes", "scales", "row_scale"):
+        setattr(module, prefix + part, nn.Parameter(getattr(packed, part), requires_grad=False))
 
 
 class NVFP4Linear(nn.Module):
@@ -58,9 +70,7 @@ class NVFP4Linear(nn.Module):
         with torch.no_grad():
             packed = pack_w4a16(self.weight, self.weight_scale, self.weight_scale_2)
         self.weight = self.weight_scale = self.weight_scale_2 = None
-        self.codes = nn.Parameter(packed.codes, requires_grad=False)
-        self.scales = nn.Parameter(packed.scales, requires_grad=False)
-        self.row_scale = nn.Parameter(packed.row_scale, requires_grad=False)
+        keep_packed(self, "", packed)
         self.packed = packed  # the kernel's view of the same tensors
         self.finalized = True
 
