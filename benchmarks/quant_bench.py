@@ -45,7 +45,7 @@ SHAPES = {"gate_or_up": (17408, 5120), "gate_up_fused": (34816, 5120), "down": (
 # the 27B's FP8 layers (MIXED_PRECISION): GDN in_proj q|k|v|z, GDN out_proj (= attention o_proj's shape)
 FP8_SHAPES = {"gdn_in_qkvz": (16384, 5120), "gdn_out": (5120, 6144)}
 FP8_BATCHES = [1, 32, 256, 4096]
-BATCHES = [1, 4, 16, 64, 128, 256, 1024, 4096]  # decode batches, then prefill chunks
+BATCHES = [1, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]  # decode batches, then prefill chunks
 
 
 def _time_ms(fns: list) -> float:
@@ -92,8 +92,13 @@ def sweep_tiles(m: int) -> list:
     argument, no extra compile: None = one wave at the compiled kernel's occupancy, 0 = one program
     a tile; ``maxnreg`` 128 lets 4 programs of 4 warps share an SM; first the tiles with a chunk as
     one K = 64 dot, ``one_dot``)."""
+    from kvserve.kernels import gluon_w4a16 as g
     from kvserve.kernels.triton_w4a16 import W4A16Tiles
 
+    if m <= g.MAX_M and g.available(torch.device(DEV)):  # the Gluon kernel's grid
+        bm = g.default_tiles(m).block_m
+        return [g.GluonTiles(bn, bm, w, per_sm) for bn, w in ((128, 4), (64, 4), (256, 4), (128, 8), (256, 8), (64, 2))
+                for per_sm in (None, 2)]
     bm = next(b for b in (16, 32, 64, 128) if m <= b or b == 128)
     one = [W4A16Tiles(128, bm, ch, 4 if bm <= 64 else 8, st, one_dot=True) for ch in (1, 2) for st in (3, 4)]
     if m <= 16:
@@ -109,6 +114,7 @@ def sweep_tiles(m: int) -> list:
 
 def bench(shapes: dict, batches: list[int], sweep: int, budget_s: float, doc: dict, save) -> None:
     """Time every (shape, batch) point; ``sweep`` > 0 also tries up to that many of ``sweep_tiles``."""
+    from kvserve.kernels import gluon_w4a16 as g
     from kvserve.kernels.triton_w4a16 import default_tiles, pack_w4a16, use_dense_path, w4a16_matmul
 
     t_end = time.perf_counter() + budget_s
@@ -130,16 +136,27 @@ def bench(shapes: dict, batches: list[int], sweep: int, budget_s: float, doc: di
             y = torch.empty(m, n, dtype=DTYPE, device=DEV)
             dense_ms = _time_ms([lambda c=c: torch.matmul(x, c.t(), out=y) for c in wds])
 
+            def call(c, out=None, tiles=None, path=None):
+                if isinstance(tiles, g.GluonTiles):
+                    return g.w4a16_mma_matmul(x, c, out if out is not None else torch.empty_like(y), tiles)
+                if tiles is None and path is None:  # what NVFP4Linear runs
+                    return g.w4a16_linear(x, c, out=out)
+                return w4a16_matmul(x, c, out=out, tiles=tiles, dense=path)
+
             def run(tiles=None, path=None):
-                out = w4a16_matmul(x, wq, tiles=tiles, dense=path)
+                out = call(wq, tiles=tiles, path=path)
                 err = float((out.float() - want.float()).abs().max() / want.float().abs().max())
-                return _time_ms([lambda c=c: w4a16_matmul(x, c, out=y, tiles=tiles, dense=path) for c in wqs]), err
+                return _time_ms([lambda c=c: call(c, y, tiles, path) for c in wqs]), err
 
             ms, err = run()
+            gluon = m <= g.MAX_M and g.available(x.device)
             row = {"shape": name, "n": n, "k": k, "m": m, "dense_ms": dense_ms, "w4a16_ms": ms,
-                   "speedup": dense_ms / ms, "rel_err": err, "tiles": vars(default_tiles(m, n, k)),
-                   "path": "dequantize + cuBLAS" if use_dense_path(m, n, k) else "fused",
+                   "speedup": dense_ms / ms, "rel_err": err,
+                   "tiles": vars(g.default_tiles(m) if gluon else default_tiles(m, n, k)),
+                   "path": "gluon" if gluon else "dequantize + cuBLAS" if use_dense_path(m, n, k) else "fused",
                    "weight_copies": [len(wds), len(wqs)]}
+            if gluon:  # the Triton kernel beside it
+                row["triton_ms"] = run(path=False)[0]
             if m >= 128:  # both paths of w4a16_matmul where the choice is made
                 row["fused_ms"] = run(path=False)[0]
                 row["dequant_cublas_ms"] = run(path=True)[0]
@@ -161,7 +178,8 @@ def bench(shapes: dict, batches: list[int], sweep: int, budget_s: float, doc: di
                     row.update(best_ms=best["ms"], best_tiles=best["tiles"], best_speedup=dense_ms / best["ms"])
             doc["rows"].append(row)
             print(f"{name:14s} m {m:4d}: bf16 {dense_ms * 1e3:8.1f} us, w4a16 {ms * 1e3:8.1f} us ({dense_ms / ms:.2f}x, "
-                  f"{row['path']})" + (f", fused {row['fused_ms'] * 1e3:.1f} / dequant+cuBLAS "
+                  f"{row['path']})" + (f", triton {row['triton_ms'] * 1e3:.1f} us" if "triton_ms" in row else "")
+                  + (f", fused {row['fused_ms'] * 1e3:.1f} / dequant+cuBLAS "
                                        f"{row['dequant_cublas_ms'] * 1e3:.1f} us" if "fused_ms" in row else "")
                   + (f", best {row['best_ms'] * 1e3:8.1f} us ({row['best_speedup']:.2f}x) {row['best_tiles']}"
                      if "best_ms" in row else "") + f", rel err {err:.1e}", flush=True)

@@ -53,23 +53,27 @@ def _quantized(n: int, k: int, seed: int):
 
 
 def _decode_layout(codes: torch.Tensor, scales: torch.Tensor, row_scale: torch.Tensor) -> torch.Tensor:
-    """The kernel layout read back in torch (float64 [N, 64 C]): what the module docstring says."""
+    """The kernel layout read back in torch (float64 [N, 128 P]): what the module docstring says
+    (pair P, word 8q + 4cc + t: element j is feature 128P + 64cc + 16q + 4j + t; byte 2q + cc its
+    scale)."""
     from kvserve.kernels.triton_w4a16 import MAG_AT, SIGN_AT
 
     n = codes.shape[0]
-    h = codes.cpu().to(torch.int32).reshape(n, -1, 16) & 0xFFFF  # [N, C, i]
-    b = scales.cpu().to(torch.int32).reshape(n, -1, 4)  # [N, C, j]
+    if codes.shape[1] > 1:  # pair-major (one pair: the strides of a size-1 dim do not matter)
+        assert codes.stride()[:2] == (32, 32 * n) and scales.stride()[:2] == (8, 8 * n)
+    h = codes.cpu().to(torch.int32).reshape(n, -1, 4, 2, 4) & 0xFFFF  # [N, P, q, cc, t]
+    b = scales.cpu().to(torch.int32).reshape(n, -1, 4, 2)  # [N, P, q, cc]
     s = (2.0 ** ((b >> 3) - 15).double()) * (1 + (b & 7).double() / 8) / 128  # S0E5M3 -> s_b
-    out = torch.empty(n, h.shape[1], 4, 16, dtype=torch.float64)
+    out = torch.empty(n, h.shape[1], 2, 4, 4, 4, dtype=torch.float64)  # [N, P, cc, q, j, t]
     for j in range(4):
         code = ((h >> MAG_AT[j]) & 7) | (((h >> SIGN_AT[j]) & 1) << 3)
-        out[:, :, j] = e2m1_table()[code.long()].double() * s[:, :, j, None]
+        out[:, :, :, :, j] = (e2m1_table()[code.long()].double() * s[..., None]).permute(0, 1, 3, 2, 4)
     return out.reshape(n, -1) * row_scale.cpu().double()[:, None] / 128
 
 
 def test_pack_w4a16_reads_back_the_exact_weights():
     """Every code and every positive e4m3 block scale survives the repack exactly; a negative block
-    scale moves into its codes' signs and a zero one zeroes its codes; K pads to 64 with zeros."""
+    scale moves into its codes' signs and a zero one zeroes its codes; K pads to 128 with zeros."""
     from kvserve.kernels.triton_w4a16 import pack_w4a16
 
     n, k = 126, 80
@@ -81,8 +85,12 @@ def test_pack_w4a16_reads_back_the_exact_weights():
     block[6, 2] = 0.0
     rows = torch.linspace(0.5, 3.0, n)
     wt = pack_w4a16(packed, block, rows)
-    assert wt.codes.dtype == torch.int16 and tuple(wt.codes.shape) == (n, 32) and wt.in_features == k
-    assert wt.scales.dtype == torch.uint8 and tuple(wt.scales.shape) == (n, 8)
+    assert wt.codes.dtype == torch.int16 and tuple(wt.codes.shape) == (n, 1, 32) and wt.in_features == k
+    assert wt.scales.dtype == torch.uint8 and tuple(wt.scales.shape) == (n, 1, 8) and wt.out_features == n
+    wide = pack_w4a16(torch.cat([packed] * 3, 1), torch.cat([block] * 3, 1), rows)  # K = 240: two pairs
+    assert tuple(wide.codes.shape) == (n, 2, 32) and tuple(wide.scales.shape) == (n, 2, 8)
+    assert torch.equal(_decode_layout(wide.codes, wide.scales, wide.row_scale)[:, :3 * k],
+                       torch.cat([_exact(packed, block, rows)] * 3, 1))
     got = _decode_layout(wt.codes, wt.scales, wt.row_scale)
     want = _exact(packed, block, rows)
     assert torch.equal(got[:, :k], want) and not bool(got[:, k:].any())
@@ -158,22 +166,25 @@ def test_decode_ptx_matches_the_twin_bit_for_bit(dtype):
     gen = np.random.default_rng(3)
     e4m3 = torch.arange(1, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
     s0e5m3 = (((e4m3 * 128).half().view(torch.int16).int() >> 7) & 0xFF).numpy().astype(np.uint32)
-    pick = gen.integers(0, len(s0e5m3), size=(4, words.size))
-    packed_scales = sum(s0e5m3[pick[j]] << (8 * j) for j in range(4)).astype(np.uint32)
+    pick = gen.integers(0, len(s0e5m3), size=(2, words.size))
     bf16 = dtype == torch.bfloat16
-    pairs = _run_ptx((k._SCALES_BF16 if bf16 else k._SCALES_FP16).value, {"$4": packed_scales})
-    regs = {"$4": words | (other << 16)}
-    for j in range(4):
-        regs[f"${5 + 2 * j}"] = regs[f"${6 + 2 * j}"] = pairs[f"${j}"]
-    out = _run_ptx((k._DECODE_BF16 if bf16 else k._DECODE_FP16).value, regs)
+    # the scale PTX: one byte (the Triton kernels) and two bytes (the Gluon kernel's pair); a byte
+    # above the ones read must not matter
+    one = _run_ptx(k._scales_text(bf16, 1), {"$1": s0e5m3[pick[0]] | (s0e5m3[pick[1]] << 8)})
+    two = _run_ptx(k._scales_text(bf16, 2), {"$2": s0e5m3[pick[0]] | (s0e5m3[pick[1]] << 8) | (0xA5 << 16)})
+    assert np.array_equal(one["$0"], two["$0"])
+    out = {}
+    for b in range(2):
+        regs = {"$4": words | (other << 16), "$5": two[f"${b}"], "$6": two[f"${b}"]}
+        out[b] = _run_ptx((k._DECODE_BF16 if bf16 else k._DECODE_FP16).value, regs)
     lut = e2m1_table().double()
-    for j in range(4):
-        s_b = torch.from_numpy(e4m3.numpy()[pick[j]]).double()
+    for j, b in [(j, b) for j in range(4) for b in range(2)]:
+        s_b = torch.from_numpy(e4m3.numpy()[pick[b]]).double()
         for half, h in ((0, words), (1, other)):
             h = torch.from_numpy(h.astype(np.int64))
             code = ((h >> MAG_AT[j]) & 7) | (((h >> SIGN_AT[j]) & 1) << 3)
             want = (lut[code] * s_b / 128).to(dtype).view(torch.int16).numpy().astype(np.int32) & 0xFFFF
-            got = ((out[f"${j}"] >> (16 * half)) & 0xFFFF).astype(np.int32)
+            got = ((out[b][f"${j}"] >> (16 * half)) & 0xFFFF).astype(np.int32)
             assert np.array_equal(got, want), (j, half, int((got != want).sum()))
 
 
@@ -186,10 +197,8 @@ def test_decode_ptx_with_a_scale_of_2_14_gives_e2m1_exactly():
 
     words = np.arange(1 << 16, dtype=np.uint32)
     other = (words * 40503 + 12345) & 0xFFFF
-    regs = {"$4": words | (other << 16)}
-    for j in range(4):
-        regs[f"${5 + 2 * j}"] = regs[f"${6 + 2 * j}"] = np.full(words.size, 0x74007400, dtype=np.uint32)
-    out = _run_ptx(k._DECODE_FP16.value, regs)
+    two14 = np.full(words.size, 0x74007400, dtype=np.uint32)
+    out = _run_ptx(k._DECODE_FP16.value, {"$4": words | (other << 16), "$5": two14, "$6": two14})
     lut = e2m1_table()
     for j in range(4):
         for half, h in ((0, words), (1, other)):

@@ -2,16 +2,21 @@
 4-bit codes and 8-bit scales live in memory (~3.6x fewer weight bytes than bf16).
 
 **Kernel layout** (``pack_w4a16``, once after loading, as vLLM repacks for Marlin): K is cut into
-chunks of 64; chunk c of row n is 16 int16 words, and word i holds the four elements
-``64c + 16j + i`` (j = 0..3), so each j is one 16-wide e4m3 scale group and one k16 MMA step. Inside a
+pairs of chunks of 64; pair P of row n is 32 int16 words, and word ``8q + 4cc + t`` (q, t = 0..3,
+cc = 0, 1) holds the four elements of features ``128P + 64cc + 16q + 4j + t`` (j = 0..3): all from
+one 16-wide e4m3 scale group (q of chunk 2P + cc), one element for each of the chunk's four k16 MMA
+steps. This is the layout whose words and activations a thread of the Gluon kernel
+(``gluon_w4a16``) needs as 16 contiguous bytes each; here column ``4q + t`` of step j's [rows, 16]
+tile is feature ``64c + 16q + 4j + t``, for W and x alike (the MMA's k order is a permutation of
+the features, the same for both operands). Inside a
 word, element j's 3 magnitude bits (e1 e0 m) sit at ``MAG_AT[j]`` and its sign at ``SIGN_AT[j]``: a
 pair of words (one 32-bit register) then becomes a bf16x2 pair of element j by one shift-and-mask
 (j = 0, 1) or two (j = 2, 3). That pair reads as ``e2m1 * 2^-126`` (the magnitude lands on the low
 exponent bits and the top mantissa bit; e = 0 is the bf16 subnormal), and one ``mul.rn.bf16x2`` by
 the block scale ``s_b * 2^119`` gives ``e2m1 * s_b * 2^-7`` exactly (6 significant bits). The block
 scales are stored as S0E5M3 bytes (the exponent and mantissa bits of ``fp16(s_b * 2^7)``, always a
-normal number, the format vLLM's Marlin path uses), four per chunk read as one int32; a scale turns
-into its bf16x2 pair with one byte permute and one multiply-add. fp16 activations take the fp16
+normal number, the format vLLM's Marlin path uses), eight per pair (byte ``2q + cc``); a scale
+turns into its bf16x2 pair with one byte permute and one multiply-add. fp16 activations take the fp16
 twin of both steps. The global scale (one per output row: fused siblings keep their own) times 2^7
 multiplies the fp32 accumulator once at the end. So W enters the MMA as ``e2m1 * s_b`` exactly and
 the product is ``x @ (e2m1 * s_b * s2)^T`` up to fp32 accumulation: one rounding fewer than
@@ -52,6 +57,7 @@ from kvserve.quant.nvfp4 import NVFP4_GROUP_SIZE, unpack_e2m1
 
 logger = init_logger(__name__)
 CHUNK = 64  # K elements per chunk: four scale groups, 16 int16 words
+PAIR = 2 * CHUNK  # K elements per pair of chunks, the unit of the layout (32 words, 8 scale bytes)
 MAG_AT = (6, 3, 0, 9)  # where element j's magnitude bits start in its word (the PTX is made from these; _chunk spells them out)
 SIGN_AT = (15, 12, 13, 14)  # and its sign bit
 _LOCKS = 1 << 16  # tile counters per device (stream-K); launches with more tiles take whole tiles
@@ -64,10 +70,12 @@ def _shifted(dst: str, src: str, by: int) -> list[str]:
 
 
 def _decode_text(mag_to: int, mul: str) -> str:
-    """The decode PTX: ``$4`` = two code words, ``$5 / $7 / $9 / $11`` = the scale pairs of j = 0..3
-    -> ``$j`` = element j of both words, its magnitude moved to bits ``mag_to`` .. + 2 of each half
-    (bf16: 6, the pair reads e2m1 * 2^-126; fp16: 9, e2m1 * 2^-14) and its sign to bit 15, times
-    the scale pair by ``mul``. One shift serves both where the layout puts them the same distance."""
+    """The decode PTX: ``$4`` = two code words (a word's four elements share one block scale),
+    ``$5`` = their scale pair -> ``$j`` = element j of both words, its magnitude moved to bits
+    ``mag_to`` .. + 2 of each half (bf16: 6, the pair reads e2m1 * 2^-126; fp16: 9, e2m1 * 2^-14) and
+    its sign to bit 15, times the scale pair by ``mul``. One shift serves both where the layout puts
+    them the same distance. (Operands: ``=r`` x 4, then the words and the two scale registers that
+    ``pack=2`` gives; the second is the same pair.)"""
     mag_mask, sign_mask = (7 << mag_to) * 0x10001, 0x80008000
     lines = ["{", ".reg .b32 t, u;"]
     for j in range(4):
@@ -79,32 +87,34 @@ def _decode_text(mag_to: int, mul: str) -> str:
             mag, sign = _shifted("t", "$4", to_mag), _shifted("u", "$4", to_sign)
             lines += mag + [f"and.b32 t, {'t' if mag else '$4'}, {mag_mask:#010x};"]
             lines += sign + [f"and.b32 u, {'u' if sign else '$4'}, {sign_mask:#010x};", "or.b32 t, t, u;"]
-        lines.append(f"{mul} ${j}, t, ${5 + 2 * j};")
+        lines.append(f"{mul} ${j}, t, $5;")
     return "\n".join(lines + ["}"])
 
 
-def _scales_text(bf16: bool) -> str:
-    """The scale PTX: the four S0E5M3 bytes of a chunk (``$4``) -> ``$j`` = byte j's scale in both
+def _scales_text(bf16: bool, count: int) -> str:
+    """The scale PTX: bytes 0 .. count - 1 of ``$count`` (S0E5M3) -> ``$b`` = byte b's scale in both
     halves: bf16 ``s_b * 2^119`` (exponent + 224, mantissa << 4: a multiply-add), fp16 ``s_b * 2^7``
     (the byte is bits 14-7 of the fp16)."""
     lines = ["{", ".reg .b32 t;"]
-    for j in range(4):
-        lines.append(f"prmt.b32 t, $4, 0, 0x4{j}4{j};")  # byte j to bytes 0 and 2, zeros between
-        lines.append(f"mad.lo.u32 ${j}, t, 16, 0x70007000;" if bf16 else f"shl.b32 ${j}, t, 7;")
+    for b in range(count):
+        lines.append(f"prmt.b32 t, ${count}, 0, 0x4{b}4{b};")  # byte b to bytes 0 and 2, zeros between
+        lines.append(f"mad.lo.u32 ${b}, t, 16, 0x70007000;" if bf16 else f"shl.b32 ${b}, t, 7;")
     return "\n".join(lines + ["}"])
 
 
 _DECODE_BF16 = tl.constexpr(_decode_text(6, "mul.rn.bf16x2"))
 _DECODE_FP16 = tl.constexpr(_decode_text(9, "mul.rn.f16x2"))
-_SCALES_BF16 = tl.constexpr(_scales_text(True))
-_SCALES_FP16 = tl.constexpr(_scales_text(False))
+_SCALE_BF16 = tl.constexpr(_scales_text(True, 1))  # one byte an element (the Triton kernels)
+_SCALE_FP16 = tl.constexpr(_scales_text(False, 1))
 
 
 @dataclass(frozen=True)
 class W4A16Weight:
-    """An NVFP4 weight in the kernel layout (module docstring): ``codes`` int16 [N, 16 C],
-    ``scales`` uint8 [N, 4 C] (S0E5M3), ``row_scale`` fp32 [N] (global scale x 2^7); C = K / 64
-    rounded up (padding decodes to 0). Routed experts stack E of them: [E, N, ...] and [E, N]."""
+    """An NVFP4 weight in the kernel layout (module docstring): ``codes`` int16 [N, P, 32] and
+    ``scales`` uint8 [N, P, 8] (S0E5M3), each indexed [row, pair, word] and stored pair-major (one
+    pair of all rows together: a program's rows are one contiguous block), ``row_scale`` fp32 [N]
+    (global scale x 2^7); P = K / 128 rounded up (padding decodes to 0). Routed experts stack E of
+    them: [E, N, P, ...] (pair-major over all experts) and [E, N]."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -113,7 +123,7 @@ class W4A16Weight:
 
     @property
     def out_features(self) -> int:
-        return self.codes.shape[-2]
+        return self.codes.shape[-3]
 
 
 def pack_w4a16(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor) -> W4A16Weight:
@@ -128,8 +138,8 @@ def pack_w4a16(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: to
                              f"and weight_scale_2 [{e}, {n}], got {tuple(block_scale.shape)} and "
                              f"{tuple(global_scale.shape)}")
         flat = pack_w4a16(packed.reshape(e * n, half_k), block_scale.reshape(e * n, -1), global_scale.reshape(e * n))
-        return W4A16Weight(flat.codes.view(e, n, -1), flat.scales.view(e, n, -1), flat.row_scale.view(e, n),
-                           flat.in_features)
+        return W4A16Weight(flat.codes.view(e, n, *flat.codes.shape[1:]), flat.scales.view(e, n, *flat.scales.shape[1:]),
+                           flat.row_scale.view(e, n), flat.in_features)
     n, half_k = packed.shape
     k = 2 * half_k
     if packed.dtype != torch.uint8 or k % NVFP4_GROUP_SIZE:
@@ -145,25 +155,26 @@ def pack_w4a16(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: to
     s = block_scale.float()
     if bool(torch.isnan(s).any()):
         raise ValueError(f"pack_w4a16: weight_scale {tuple(block_scale.shape)} holds NaN block scales")
-    chunks = -(-k // CHUNK)
-    codes = torch.zeros((n, chunks * CHUNK), dtype=torch.int32, device=packed.device)
+    pairs = -(-k // PAIR)
+    codes = torch.zeros((n, pairs * PAIR), dtype=torch.int32, device=packed.device)
     codes[:, :k] = unpack_e2m1(packed)
-    codes = codes.view(n, chunks * 4, NVFP4_GROUP_SIZE)
-    s_pad = torch.ones((n, chunks * 4), dtype=torch.float32, device=packed.device)
+    codes = codes.view(n, pairs * 8, NVFP4_GROUP_SIZE)
+    s_pad = torch.ones((n, pairs * 8), dtype=torch.float32, device=packed.device)
     s_pad[:, :groups] = s
     codes = torch.where((s_pad < 0)[..., None], codes ^ 8, codes)  # (-s) * v = s * (-v)
     codes = torch.where((s_pad == 0)[..., None], torch.zeros_like(codes), codes)
     s_pad = torch.where(s_pad == 0, torch.ones_like(s_pad), s_pad.abs())
-    c = codes.view(n, chunks, 4, 16)
-    word = torch.zeros((n, chunks, 16), dtype=torch.int32, device=packed.device)
+    c = codes.view(n, pairs, 2, 4, 4, 4)  # [n, pair, cc, q, j, t]: feature 128 pair + 64 cc + 16 q + 4 j + t
+    word = torch.zeros((n, pairs, 2, 4, 4), dtype=torch.int32, device=packed.device)  # [n, pair, cc, q, t]
     for j in range(4):
-        word |= ((c[:, :, j] & 7) << MAG_AT[j]) | ((c[:, :, j] >> 3) << SIGN_AT[j])
+        word |= ((c[:, :, :, :, j] & 7) << MAG_AT[j]) | ((c[:, :, :, :, j] >> 3) << SIGN_AT[j])
+    word = word.permute(0, 1, 3, 2, 4).reshape(n, pairs * 32)  # word 8q + 4cc + t of a pair
     word = word - ((word >> 15) << 16)  # 0..65535 -> the int16 of the same bits
     fp16_bits = (s_pad * 128).to(torch.float16).view(torch.int16).to(torch.int32)  # normal: s_b >= 2^-9
-    s0e5m3 = ((fp16_bits >> 7) & 0xFF).to(torch.uint8)
+    s0e5m3 = ((fp16_bits >> 7) & 0xFF).to(torch.uint8).view(n, pairs, 2, 4).permute(0, 1, 3, 2)  # byte 2q + cc
     row = global_scale.reshape(-1).to(device=packed.device, dtype=torch.float32).expand(n) * 128.0
-    return W4A16Weight(word.to(torch.int16).reshape(n, chunks * 16).contiguous(), s0e5m3.contiguous(),
-                       row.contiguous(), k)
+    pair_major = lambda t: t.reshape(n, pairs, -1).transpose(0, 1).contiguous().transpose(0, 1)  # noqa: E731
+    return W4A16Weight(pair_major(word.to(torch.int16)), pair_major(s0e5m3), row.contiguous(), k)
 
 
 @dataclass(frozen=True)
@@ -211,21 +222,45 @@ def _e2m1_value(w, MAG: tl.constexpr, SIGN: tl.constexpr):
 
 
 @triton.jit
-def _block_scale(u, BYTE: tl.constexpr):
-    """fp32 ``s_b * 2^-7`` from byte BYTE of the int32 of S0E5M3 scales (s_b * 2^7 = 2^(E5 - 15) (1 + M3 / 8))."""
-    b = (u >> (8 * BYTE)) & 0xFF
+def _block_scale(b):
+    """fp32 ``s_b * 2^-7`` of S0E5M3 bytes (s_b * 2^7 = 2^(E5 - 15) (1 + M3 / 8))."""
+    b = b.to(tl.int32) & 0xFF
     return (((b >> 3) + 98) << 23 | (b & 7) << 20).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _decode_twin(w, u, MAG: tl.constexpr, SIGN: tl.constexpr, BYTE: tl.constexpr, DTYPE: tl.constexpr):
-    """Element j of each code word times its block scale, ``e2m1 * s_b * 2^-7`` (exact), in Triton
-    arithmetic: what the PTX of ``_DECODE_*`` computes, for the interpreter and fp32."""
-    return (_e2m1_value(w, MAG, SIGN) * _block_scale(u, BYTE)[:, None]).to(DTYPE)
+def _decode_twin(w, scale, MAG: tl.constexpr, SIGN: tl.constexpr, DTYPE: tl.constexpr):
+    """Element j of each code word times its block scale (fp32 ``s_b * 2^-7``, one a word),
+    ``e2m1 * s_b * 2^-7`` (exact), in Triton arithmetic: what the PTX of ``_DECODE_*`` computes, for
+    the interpreter and fp32."""
+    return (_e2m1_value(w, MAG, SIGN) * scale).to(DTYPE)
 
 
 @triton.jit
-def _dequantize_kernel(w_ptr, s_ptr, g_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_on, BLOCK_N: tl.constexpr,
+def _word_scales(s_rows, c, stride_sp, n_ok, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr):
+    """Chunk c's S0E5M3 bytes for each column ``4q + t`` of its [BLOCK_N, 16] words: [BLOCK_N, 16]
+    int32 (the 4 bytes of a row, each repeated over its 4 columns). ``s_rows``: [BLOCK_N] byte pointers."""
+    rq = tl.arange(0, 4)
+    at = s_rows[:, None] + ((c // 2) * stride_sp + c % 2 + 2 * rq)[None, :]
+    if EVEN_N:
+        b = tl.load(at)
+    else:
+        b = tl.load(at, mask=n_ok[:, None], other=0)
+    b = b.to(tl.int32) & 0xFF
+    return tl.reshape(tl.broadcast_to(b[:, :, None], (BLOCK_N, 4, 4)), (BLOCK_N, 16))
+
+
+@triton.jit
+def _word_offsets(c, stride_wp):
+    """Where chunk c's 16 words (columns ``4q + t``) sit from their row's start: int16 offsets [16]
+    (pairs ``stride_wp`` apart)."""
+    ri = tl.arange(0, 16)
+    return (c // 2) * stride_wp + (c % 2) * 4 + 8 * (ri // 4) + ri % 4
+
+
+@triton.jit
+def _dequantize_kernel(w_ptr, s_ptr, g_ptr, out_ptr, N, K, stride_wn, stride_wp, stride_sn, stride_sp, stride_on,
+                       BLOCK_N: tl.constexpr,
                        PTX: tl.constexpr, EVEN_K: tl.constexpr):
     """One chunk of BLOCK_N rows -> ``dtype(e2m1 * (fp32(s_b) * s2))``, the doc's order (as
     ``quant/nvfp4.dequantize_nvfp4``), stored as one [BLOCK_N, 64] tile in K order. ``PTX``: the
@@ -234,25 +269,24 @@ def _dequantize_kernel(w_ptr, s_ptr, g_ptr, out_ptr, N, K, stride_wn, stride_sn,
     fp32 product follows."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     c = tl.program_id(1)
-    ri = tl.arange(0, 16)
     n_ok = rn < N
-    w = tl.load(w_ptr + rn.to(tl.int64)[:, None] * stride_wn + c * 16 + ri[None, :], mask=n_ok[:, None], other=0)
-    u = tl.load(s_ptr + rn.to(tl.int64) * stride_sn + c, mask=n_ok, other=0)
+    w = tl.load(w_ptr + rn.to(tl.int64)[:, None] * stride_wn + _word_offsets(c, stride_wp)[None, :], mask=n_ok[:, None],
+                other=0)
+    sb = _word_scales(s_ptr + rn.to(tl.int64) * stride_sn, c, stride_sp, n_ok, BLOCK_N, False)
     s2 = tl.load(g_ptr + rn, mask=n_ok, other=0.0) * (1.0 / 128.0)  # the row's weight_scale_2 (exact)
     if PTX:
         two14 = tl.full([BLOCK_N, 16], 0x74007400, tl.int32)  # fp16 2^14 in both halves
         e0, e1, e2, e3 = tl.inline_asm_elementwise(
-            _DECODE_FP16, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r", [w, two14, two14, two14, two14],
+            _DECODE_FP16, "=r,=r,=r,=r,r,r,r", [w, two14],
             dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=2)
         e0, e1, e2, e3 = e0.to(tl.float32), e1.to(tl.float32), e2.to(tl.float32), e3.to(tl.float32)
     else:
         e0, e1, e2, e3 = _e2m1_value(w, 6, 15), _e2m1_value(w, 3, 12), _e2m1_value(w, 0, 13), _e2m1_value(w, 9, 14)
     ty = out_ptr.dtype.element_ty
-    v0 = (e0 * ((_block_scale(u, 0) * 128.0) * s2)[:, None]).to(ty)  # fp32(s_b) * s2, rounded once in fp32
-    v1 = (e1 * ((_block_scale(u, 1) * 128.0) * s2)[:, None]).to(ty)
-    v2 = (e2 * ((_block_scale(u, 2) * 128.0) * s2)[:, None]).to(ty)
-    v3 = (e3 * ((_block_scale(u, 3) * 128.0) * s2)[:, None]).to(ty)
-    v = tl.reshape(tl.permute(tl.join(tl.join(v0, v2), tl.join(v1, v3)), (0, 2, 3, 1)), (BLOCK_N, 64))  # k = 16 j + i
+    scale = (_block_scale(sb) * 128.0) * s2[:, None]  # fp32(s_b) * s2, rounded once in fp32
+    v0, v1, v2, v3 = (e0 * scale).to(ty), (e1 * scale).to(ty), (e2 * scale).to(ty), (e3 * scale).to(ty)
+    v = tl.join(tl.join(v0, v1), tl.join(v2, v3))  # [BLOCK_N, 16 (q, t), 2 (j % 2), 2 (j // 2)]
+    v = tl.reshape(tl.permute(tl.reshape(v, (BLOCK_N, 4, 4, 2, 2)), (0, 1, 4, 3, 2)), (BLOCK_N, 64))  # 16q + 4j + t
     rk = c * 64 + tl.arange(0, 64)
     at = out_ptr + rn.to(tl.int64)[:, None] * stride_on + rk[None, :]
     if EVEN_K:
@@ -262,16 +296,12 @@ def _dequantize_kernel(w_ptr, s_ptr, g_ptr, out_ptr, N, K, stride_wn, stride_sn,
 
 
 @triton.jit
-def _decode_ptx(w, sc, SCALES: tl.constexpr, DECODE_ASM: tl.constexpr, TY: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The four k16 steps' weights of a chunk, ``e2m1 * s_b * 2^-7`` in TY, by the inline PTX: the
-    scale pairs once a row (``SCALES``), then the code words two at a time (``DECODE_ASM``)."""
-    s0, s1, s2, s3 = tl.inline_asm_elementwise(
-        SCALES, "=r,=r,=r,=r,r", [sc], dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
-    return tl.inline_asm_elementwise(
-        DECODE_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r",
-        [w, s0[:, None].broadcast_to(BLOCK_N, 16), s1[:, None].broadcast_to(BLOCK_N, 16),
-         s2[:, None].broadcast_to(BLOCK_N, 16), s3[:, None].broadcast_to(BLOCK_N, 16)],
-        dtype=(TY.value, TY.value, TY.value, TY.value), is_pure=True, pack=2)
+def _decode_ptx(w, sb, BYTE_SCALE: tl.constexpr, DECODE_ASM: tl.constexpr, TY: tl.constexpr):
+    """The four k16 steps' weights of a chunk, ``e2m1 * s_b * 2^-7`` in TY, by the inline PTX: each
+    word's scale pair from its byte (``BYTE_SCALE``), then the code words two at a time (``DECODE_ASM``)."""
+    pairs = tl.inline_asm_elementwise(BYTE_SCALE, "=r,r", [sb], dtype=tl.int32, is_pure=True, pack=1)
+    return tl.inline_asm_elementwise(DECODE_ASM, "=r,=r,=r,=r,r,r,r", [w, pairs],
+                                     dtype=(TY.value, TY.value, TY.value, TY.value), is_pure=True, pack=2)
 
 
 @triton.jit
@@ -283,41 +313,43 @@ def _mma(acc, a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _chunk(acc, w_rows, s_rows, x_cols, c, K, n_ok, m_ok, BLOCK_N: tl.constexpr, DECODE: tl.constexpr,
+def _chunk(acc, w_rows, s_rows, x_cols, c, stride_wp, stride_sp, K, n_ok, m_ok, BLOCK_N: tl.constexpr, DECODE: tl.constexpr,
            EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, ONE_DOT: tl.constexpr):
     """acc += chunk c of W (rows at ``w_rows`` / ``s_rows``) times x^T (columns at ``x_cols``): the
     four k16 steps' decodes, then their MMAs, as four dots or (``ONE_DOT``) the steps joined in K
     order into one K = 64 dot (the same k16 MMAs in the same order, one wait for them; x loaded as
     one [64, BLOCK_M] tile instead compiles to 157 registers, not 127)."""
     ri = tl.arange(0, 16)
+    w_at = w_rows + _word_offsets(c, stride_wp)[None, :]
     if EVEN_N:
-        w = tl.load(w_rows + c * 16)  # [BLOCK_N, 16] int16
-        sc = tl.load(s_rows + c)  # [BLOCK_N] int32: 4 S0E5M3 bytes
+        w = tl.load(w_at)  # [BLOCK_N, 16] int16
     else:
-        w = tl.load(w_rows + c * 16, mask=n_ok[:, None], other=0)
-        sc = tl.load(s_rows + c, mask=n_ok, other=0)
+        w = tl.load(w_at, mask=n_ok[:, None], other=0)
+    sb = _word_scales(s_rows, c, stride_sp, n_ok, BLOCK_N, EVEN_N)
     xm = m_ok[None, :]
+    x_at = x_cols + c * 64  # column 4q + t of step j: feature 64c + 16q + 4j + t
     if EVEN_K:
-        x0 = tl.load(x_cols + c * 64, mask=xm, other=0.0)  # [16, BLOCK_M]
-        x1 = tl.load(x_cols + c * 64 + 16, mask=xm, other=0.0)
-        x2 = tl.load(x_cols + c * 64 + 32, mask=xm, other=0.0)
-        x3 = tl.load(x_cols + c * 64 + 48, mask=xm, other=0.0)
+        x0 = tl.load(x_at, mask=xm, other=0.0)  # [16, BLOCK_M]
+        x1 = tl.load(x_at + 4, mask=xm, other=0.0)
+        x2 = tl.load(x_at + 8, mask=xm, other=0.0)
+        x3 = tl.load(x_at + 12, mask=xm, other=0.0)
     else:
-        k0 = c * 64 + ri[:, None]
-        x0 = tl.load(x_cols + c * 64, mask=xm & (k0 < K), other=0.0)
-        x1 = tl.load(x_cols + c * 64 + 16, mask=xm & (k0 + 16 < K), other=0.0)
-        x2 = tl.load(x_cols + c * 64 + 32, mask=xm & (k0 + 32 < K), other=0.0)
-        x3 = tl.load(x_cols + c * 64 + 48, mask=xm & (k0 + 48 < K), other=0.0)
+        k0 = c * 64 + 16 * (ri // 4)[:, None] + (ri % 4)[:, None]
+        x0 = tl.load(x_at, mask=xm & (k0 < K), other=0.0)
+        x1 = tl.load(x_at + 4, mask=xm & (k0 + 4 < K), other=0.0)
+        x2 = tl.load(x_at + 8, mask=xm & (k0 + 8 < K), other=0.0)
+        x3 = tl.load(x_at + 12, mask=xm & (k0 + 12 < K), other=0.0)
     if DECODE == 1:
-        w0, w1, w2, w3 = _decode_ptx(w, sc, _SCALES_BF16, _DECODE_BF16, tl.bfloat16, BLOCK_N)
+        w0, w1, w2, w3 = _decode_ptx(w, sb, _SCALE_BF16, _DECODE_BF16, tl.bfloat16)
     elif DECODE == 2:
-        w0, w1, w2, w3 = _decode_ptx(w, sc, _SCALES_FP16, _DECODE_FP16, tl.float16, BLOCK_N)
+        w0, w1, w2, w3 = _decode_ptx(w, sb, _SCALE_FP16, _DECODE_FP16, tl.float16)
     else:
         ty = tl.float32 if DECODE == 3 else x_cols.dtype.element_ty
-        w0 = _decode_twin(w, sc, 6, 15, 0, ty)
-        w1 = _decode_twin(w, sc, 3, 12, 1, ty)
-        w2 = _decode_twin(w, sc, 0, 13, 2, ty)
-        w3 = _decode_twin(w, sc, 9, 14, 3, ty)
+        scale = _block_scale(sb)
+        w0 = _decode_twin(w, scale, 6, 15, ty)
+        w1 = _decode_twin(w, scale, 3, 12, ty)
+        w2 = _decode_twin(w, scale, 0, 13, ty)
+        w3 = _decode_twin(w, scale, 9, 14, ty)
     if ONE_DOT:  # [.., 16, 2, 2] with step j = 2p + q, moved to K order: k = 16 j + i
         wk = tl.reshape(tl.permute(tl.join(tl.join(w0, w2), tl.join(w1, w3)), (0, 2, 3, 1)), (BLOCK_N, 64))
         xk = tl.reshape(tl.permute(tl.join(tl.join(x0, x2), tl.join(x1, x3)), (2, 3, 0, 1)), (64, xm.shape[1]))
@@ -334,7 +366,7 @@ def _chunk(acc, w_rows, s_rows, x_cols, c, K, n_ok, m_ok, BLOCK_N: tl.constexpr,
 def _w4a16_kernel(
     x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, part_ptr, lock_ptr,
     M, N, K, n_chunks, tiles_n, units, programs,
-    stride_xm, stride_wn, stride_sn, stride_ym,
+    stride_xm, stride_wn, stride_wp, stride_sn, stride_sp, stride_ym,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, CHUNKS: tl.constexpr, DECODE: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, ONE_DOT: tl.constexpr,
 ):
@@ -355,12 +387,12 @@ def _w4a16_kernel(
         rn = (tile % tiles_n) * BLOCK_N + rbn
         rm = (tile // tiles_n) * BLOCK_M + rbm
         n_ok, m_ok = rn < N, rm < M
-        w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn + ri[None, :]
+        w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
         s_rows = s_ptr + rn.to(tl.int64) * stride_sn
-        x_cols = x_ptr + rm.to(tl.int64)[None, :] * stride_xm + ri[:, None]
+        x_cols = x_ptr + rm.to(tl.int64)[None, :] * stride_xm + (16 * (ri // 4) + ri % 4)[:, None]
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for c in tl.range(c_begin, c_end, loop_unroll_factor=CHUNKS):
-            acc = _chunk(acc, w_rows, s_rows, x_cols, c, K, n_ok, m_ok, BLOCK_N, DECODE, EVEN_N, EVEN_K, ONE_DOT)
+            acc = _chunk(acc, w_rows, s_rows, x_cols, c, stride_wp, stride_sp, K, n_ok, m_ok, BLOCK_N, DECODE, EVEN_N, EVEN_K, ONE_DOT)
         g = tl.load(g_ptr + rn, mask=n_ok, other=0.0)
         y_at = y_ptr + rm.to(tl.int64)[None, :] * stride_ym + rn[:, None]
         y_ok = n_ok[:, None] & m_ok[None, :]
@@ -413,9 +445,9 @@ def dequantize_w4a16(weight: W4A16Weight, dtype: torch.dtype, out: torch.Tensor 
     n, k = weight.out_features, weight.in_features
     w = out if out is not None else torch.empty((n, k), dtype=dtype, device=weight.codes.device)
     assert tuple(w.shape) == (n, k) and w.dtype == dtype and w.is_contiguous()
-    grid = (triton.cdiv(n, 64), weight.codes.shape[1] // 16)
-    _dequantize_kernel[grid](weight.codes, weight.scales.view(torch.int32), weight.row_scale, w, n, k,
-                             weight.codes.stride(0), weight.scales.stride(0) // 4, w.stride(0), BLOCK_N=64,
+    grid = (triton.cdiv(n, 64), triton.cdiv(k, CHUNK))  # (a padding chunk past K is not read)
+    _dequantize_kernel[grid](weight.codes, weight.scales, weight.row_scale, w, n, k, weight.codes.stride(0),
+                             weight.codes.stride(1), weight.scales.stride(0), weight.scales.stride(1), w.stride(0), BLOCK_N=64,
                              PTX=w.device.type == "cuda", EVEN_K=k % CHUNK == 0)
     return w
 
@@ -466,7 +498,7 @@ def _ctas_per_sm(kernel, make_args, meta: dict, dtype: torch.dtype, device: torc
     launch's arguments only then), so the stream-K split fills exactly one wave."""
     if device.type != "cuda":
         return _INTERPRETER_CTAS_PER_SM
-    key = (id(kernel), device, dtype, tuple(meta.values()))  # (meta's keys come in one order)
+    key = (id(kernel), device, dtype, tuple(map(repr, meta.values())))  # (meta's keys come in one order)
     occ = _occupancy.get(key)
     if occ is None:
         try:
@@ -519,7 +551,7 @@ def w4a16_matmul(x: torch.Tensor, weight: W4A16Weight, out: torch.Tensor | None 
     t = tiles or default_tiles(m, n, k)
     if t.block_n < 16 or t.block_m < 16 or t.chunks < 1 or (t.programs_per_sm or 0) < 0:
         raise ValueError(f"w4a16_matmul: {t} needs block_n, block_m >= 16, chunks >= 1, programs_per_sm >= 0")
-    n_chunks = weight.codes.shape[1] // 16
+    n_chunks = triton.cdiv(k, CHUNK)
     tiles_n, tiles_m = triton.cdiv(n, t.block_n), triton.cdiv(m, t.block_m)
     n_tiles = tiles_n * tiles_m
     units = n_tiles * n_chunks
@@ -530,9 +562,10 @@ def w4a16_matmul(x: torch.Tensor, weight: W4A16Weight, out: torch.Tensor | None 
         meta["maxnreg"] = t.maxnreg
 
     def args(programs: int, part: torch.Tensor, lock: torch.Tensor) -> list:
-        return [x2, weight.codes, weight.scales.view(torch.int32), weight.row_scale, y, part, lock,
+        return [x2, weight.codes, weight.scales, weight.row_scale, y, part, lock,
                 m, n, k, n_chunks, tiles_n, units, programs,
-                x2.stride(0), weight.codes.stride(0), weight.scales.stride(0) // 4, y.stride(0)]
+                x2.stride(0), weight.codes.stride(0), weight.codes.stride(1), weight.scales.stride(0),
+                weight.scales.stride(1), y.stride(0)]
 
     if t.programs_per_sm == 0 or n_tiles > _LOCKS:
         programs = n_tiles
@@ -553,7 +586,7 @@ def w4a16_matmul(x: torch.Tensor, weight: W4A16Weight, out: torch.Tensor | None 
 def _w4a16_grouped_kernel(
     x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, ids_ptr, expert_ptr,
     N, K, n_chunks, num_experts,
-    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_ge, stride_ym,
+    stride_xm, stride_we, stride_wn, stride_wp, stride_se, stride_sn, stride_sp, stride_ge, stride_ym,
     ROW_DIV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, CHUNKS: tl.constexpr,
     DECODE: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, ONE_DOT: tl.constexpr,
 ):
@@ -567,12 +600,12 @@ def _w4a16_grouped_kernel(
         ids = tl.load(ids_ptr + b * BLOCK_M + tl.arange(0, BLOCK_M))
         n_ok, m_ok = rn < N, ids >= 0
         x_rows = tl.where(m_ok, ids // ROW_DIV, 0).to(tl.int64)
-        w_rows = w_ptr + e.to(tl.int64) * stride_we + rn.to(tl.int64)[:, None] * stride_wn + ri[None, :]
+        w_rows = w_ptr + e.to(tl.int64) * stride_we + rn.to(tl.int64)[:, None] * stride_wn
         s_rows = s_ptr + e.to(tl.int64) * stride_se + rn.to(tl.int64) * stride_sn
-        x_cols = x_ptr + x_rows[None, :] * stride_xm + ri[:, None]
+        x_cols = x_ptr + x_rows[None, :] * stride_xm + (16 * (ri // 4) + ri % 4)[:, None]
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for c in tl.range(0, n_chunks, loop_unroll_factor=CHUNKS):
-            acc = _chunk(acc, w_rows, s_rows, x_cols, c, K, n_ok, m_ok, BLOCK_N, DECODE, EVEN_N, EVEN_K, ONE_DOT)
+            acc = _chunk(acc, w_rows, s_rows, x_cols, c, stride_wp, stride_sp, K, n_ok, m_ok, BLOCK_N, DECODE, EVEN_N, EVEN_K, ONE_DOT)
         g = tl.load(g_ptr + e.to(tl.int64) * stride_ge + rn, mask=n_ok, other=0.0)
         y_at = y_ptr + tl.where(m_ok, ids, 0).to(tl.int64)[None, :] * stride_ym + rn[:, None]
         tl.store(y_at, (acc * g[:, None]).to(y_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
@@ -587,7 +620,7 @@ def w4a16_grouped_matmul(x: torch.Tensor, weight: W4A16Weight, ids: torch.Tensor
     listed are left as they are. One launch, no host sync: graph-capturable."""
     k, n = weight.in_features, weight.out_features
     num_experts = weight.codes.shape[0]
-    if weight.codes.dim() != 3 or x.shape[-1] != k or x.dim() != 2:
+    if weight.codes.dim() != 4 or x.shape[-1] != k or x.dim() != 2:
         raise ValueError(f"w4a16_grouped_matmul: x {tuple(x.shape)} and stacked experts {tuple(weight.codes.shape)} "
                          f"(in_features {k}) do not match")
     if ids.dtype != torch.int32 or block_expert.dtype != torch.int32 or ids.numel() != block_expert.numel() * block_m:
@@ -602,10 +635,10 @@ def w4a16_grouped_matmul(x: torch.Tensor, weight: W4A16Weight, ids: torch.Tensor
     block_n = 128 if n >= 128 else 64 if n >= 64 else 16
     grid = (triton.cdiv(n, block_n), block_expert.numel())
     _w4a16_grouped_kernel[grid](
-        x, weight.codes, weight.scales.view(torch.int32), weight.row_scale, out, ids, block_expert,
-        n, k, weight.codes.shape[-1] // 16, num_experts,
-        x.stride(0), weight.codes.stride(0), weight.codes.stride(1), weight.scales.stride(0) // 4,
-        weight.scales.stride(1) // 4, weight.row_scale.stride(0), out.stride(0),
+        x, weight.codes, weight.scales, weight.row_scale, out, ids, block_expert,
+        n, k, triton.cdiv(k, CHUNK), num_experts,
+        x.stride(0), weight.codes.stride(0), weight.codes.stride(1), weight.codes.stride(2), weight.scales.stride(0),
+        weight.scales.stride(1), weight.scales.stride(2), weight.row_scale.stride(0), out.stride(0),
         ROW_DIV=rows_per_x, BLOCK_N=block_n, BLOCK_M=block_m, CHUNKS=2, DECODE=_decode_mode(x),
         EVEN_N=n % block_n == 0, EVEN_K=k % CHUNK == 0, ONE_DOT=False, num_warps=4 if block_m <= 32 else 8,
         num_stages=3,

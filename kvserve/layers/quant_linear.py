@@ -75,10 +75,10 @@ class NVFP4Linear(nn.Module):
         self.finalized = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from kvserve.kernels.triton_w4a16 import w4a16_matmul
+        from kvserve.kernels.gluon_w4a16 import w4a16_linear
 
         assert self.finalized, "NVFP4Linear.finalize() runs after loading"
-        y = w4a16_matmul(x, self.packed)
+        y = w4a16_linear(x, self.packed)
         return y if self.bias is None else y + self.bias
 
     def init_dummy(self, gen: torch.Generator) -> None:
