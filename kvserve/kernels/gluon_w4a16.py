@@ -44,7 +44,7 @@ try:  # (triton >= 3.4)
 except ImportError:  # pragma: no cover
     gluon = gl = mma_v2 = _cta_barrier = None
 
-MAX_M = 64  # batch rows this kernel takes (more: the Triton kernel or the dequantize path)
+MAX_M = 32  # batch rows w4a16_linear gives this kernel (H200: the Triton kernel is faster from 64)
 
 
 @functools.lru_cache(maxsize=None)
@@ -67,11 +67,14 @@ class GluonTiles:
 
 
 def default_tiles(m: int) -> GluonTiles:
-    """The launch tiles for ``m`` batch rows: the accumulator as narrow as the batch allows, 64
-    output rows of 4 warps (the fastest on the H200 over the 27B's MLP shapes, batch 1-64:
-    benchmarks/RESULTS.md)."""
-    bm = next(b for b in (8, 16, 32, 64) if m <= b or b == 64)
-    return GluonTiles(64, bm, 4)
+    """The launch tiles for ``m`` batch rows: the accumulator as narrow as the batch allows, with
+    the output rows and warps of the fastest tiles of the H200 sweep on the 27B's MLP shapes
+    (benchmarks/RESULTS.md)."""
+    if m <= 8:
+        return GluonTiles(128, 8, 8)
+    if m <= 16:
+        return GluonTiles(128, 16, 4)
+    return GluonTiles(256, 32, 4) if m <= 32 else GluonTiles(64, 64, 2)
 
 
 def _bits(n: int) -> list[int]:
