@@ -261,7 +261,9 @@ def test_w4a16_stream_k_splits_and_leading_dims(tiles):
 def test_w4a16_one_dot_equals_four_dots(dtype, shape):
     """``W4A16Tiles.one_dot`` (a chunk's four k16 steps joined in K order into one K = 64 dot): within
     the float64 bound of the exact weights like the four dots (K and N not multiples of the tiles
-    included), and on CUDA equal to them bit for bit (the same k16 MMAs in the same order)."""
+    included), and on CUDA in bf16 / fp16 equal to them bit for bit (the same k16 MMAs in the same
+    order; fp32 runs FMA dots, whose k order follows the operands' register layout: the H200 at
+    75b9ece gave other bits, within the bound)."""
     from kvserve.kernels.triton_w4a16 import W4A16Tiles, pack_w4a16, w4a16_matmul
 
     m, n, k = shape
@@ -273,7 +275,7 @@ def test_w4a16_one_dot_equals_four_dots(dtype, shape):
         out = torch.full((m, n), float("nan"), dtype=dtype, device=DEV)
         got[one_dot] = w4a16_matmul(x.to(DEV), wt, out=out, tiles=W4A16Tiles(64, 16, 2, 4, 3, one_dot=one_dot)).cpu()
         assert _bound_ok(got[one_dot], x, _exact(packed, block_scale, s2))
-    if DEV == "cuda":
+    if DEV == "cuda" and dtype != torch.float32:
         assert torch.equal(got[True], got[False])
 
 
