@@ -113,7 +113,8 @@ def test_gluon_w4a16_compiles_for_sm90(variant):
            "tiles_n": "i32", "units": "i32", "programs": "i32", "stride_xm": "i32", "stride_wn": "i32",
            "stride_wp": "i32", "stride_sn": "i32", "stride_sp": "i32", "stride_ym": "i32"}
     pair, scales, chunk, acts = g._layouts(bn, bm, nw)
-    consts = dict(BLOCK_N=bn, BLOCK_M=bm, NUM_WARPS=nw, FP16=fp16, EVEN_K=even_k, PREFETCH_X=False, PAIR_L=pair, SCALE_L=scales,
+    consts = dict(BLOCK_N=bn, BLOCK_M=bm, NUM_WARPS=nw, FP16=fp16, EVEN_K=even_k, PREFETCH_X=False, PAIR_L=pair,
+                  SCALE_L=scales,
                   CHUNK_L=chunk, ACT_L=acts)
     src = GluonASTSource(fn=g._w4a16_mma_kernel, signature=sig, constexprs=consts)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": nw})

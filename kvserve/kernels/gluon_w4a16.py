@@ -166,7 +166,8 @@ if gluon is not None:
         M, N, K, n_pairs, tiles_n, units, programs,
         stride_xm, stride_wn, stride_wp, stride_sn, stride_sp, stride_ym,
         BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, NUM_WARPS: gl.constexpr, FP16: gl.constexpr,
-        EVEN_K: gl.constexpr, PREFETCH_X: gl.constexpr, PAIR_L: gl.constexpr, SCALE_L: gl.constexpr, CHUNK_L: gl.constexpr,
+        EVEN_K: gl.constexpr, PREFETCH_X: gl.constexpr, PAIR_L: gl.constexpr, SCALE_L: gl.constexpr,
+        CHUNK_L: gl.constexpr,
         ACT_L: gl.constexpr,
     ):
         """Program p takes units [p U / P, (p + 1) U / P) of U = tiles x pairs (tile-major)."""
@@ -277,7 +278,8 @@ def w4a16_mma_matmul(x2: torch.Tensor, weight: tw.W4A16Weight, y: torch.Tensor,
     units = n_tiles * n_pairs
     pair_l, scale_l, chunk_l, act_l = _layouts(t.block_n, t.block_m, t.num_warps)
     meta = dict(BLOCK_N=t.block_n, BLOCK_M=t.block_m, NUM_WARPS=t.num_warps, FP16=x2.dtype == torch.float16,
-                EVEN_K=k % 128 == 0, PREFETCH_X=t.prefetch_x, PAIR_L=pair_l, SCALE_L=scale_l, CHUNK_L=chunk_l, ACT_L=act_l,
+                EVEN_K=k % 128 == 0, PREFETCH_X=t.prefetch_x, PAIR_L=pair_l, SCALE_L=scale_l, CHUNK_L=chunk_l,
+                ACT_L=act_l,
                 num_warps=t.num_warps)
     codes, scales = weight.codes.view(torch.int32), weight.scales.view(torch.int16)  # [N, pair, 16 / 4]
 

@@ -8,7 +8,8 @@ one 16-wide e4m3 scale group (q of chunk 2P + cc), one element for each of the c
 steps. This is the layout whose words and activations a thread of the Gluon kernel
 (``gluon_w4a16``) needs as 16 contiguous bytes each; here column ``4q + t`` of step j's [rows, 16]
 tile is feature ``64c + 16q + 4j + t``, for W and x alike (the MMA's k order is a permutation of
-the features, the same for both operands). Inside a
+the features, the same for both operands). The codes are stored pair-major (pair P of all rows
+together), so the rows a program takes are one block of memory each step. Inside a
 word, element j's 3 magnitude bits (e1 e0 m) sit at ``MAG_AT[j]`` and its sign at ``SIGN_AT[j]``: a
 pair of words (one 32-bit register) then becomes a bf16x2 pair of element j by one shift-and-mask
 (j = 0, 1) or two (j = 2, 3). That pair reads as ``e2m1 * 2^-126`` (the magnitude lands on the low
@@ -313,7 +314,8 @@ def _mma(acc, a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _chunk(acc, w_rows, s_rows, x_cols, c, stride_wp, stride_sp, K, n_ok, m_ok, BLOCK_N: tl.constexpr, DECODE: tl.constexpr,
+def _chunk(acc, w_rows, s_rows, x_cols, c, stride_wp, stride_sp, K, n_ok, m_ok, BLOCK_N: tl.constexpr,
+           DECODE: tl.constexpr,
            EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, ONE_DOT: tl.constexpr):
     """acc += chunk c of W (rows at ``w_rows`` / ``s_rows``) times x^T (columns at ``x_cols``): the
     four k16 steps' decodes, then their MMAs, as four dots or (``ONE_DOT``) the steps joined in K
@@ -392,7 +394,8 @@ def _w4a16_kernel(
         x_cols = x_ptr + rm.to(tl.int64)[None, :] * stride_xm + (16 * (ri // 4) + ri % 4)[:, None]
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for c in tl.range(c_begin, c_end, loop_unroll_factor=CHUNKS):
-            acc = _chunk(acc, w_rows, s_rows, x_cols, c, stride_wp, stride_sp, K, n_ok, m_ok, BLOCK_N, DECODE, EVEN_N, EVEN_K, ONE_DOT)
+            acc = _chunk(acc, w_rows, s_rows, x_cols, c, stride_wp, stride_sp, K, n_ok, m_ok, BLOCK_N, DECODE, EVEN_N,
+                         EVEN_K, ONE_DOT)
         g = tl.load(g_ptr + rn, mask=n_ok, other=0.0)
         y_at = y_ptr + rm.to(tl.int64)[None, :] * stride_ym + rn[:, None]
         y_ok = n_ok[:, None] & m_ok[None, :]
@@ -605,7 +608,8 @@ def _w4a16_grouped_kernel(
         x_cols = x_ptr + x_rows[None, :] * stride_xm + (16 * (ri // 4) + ri % 4)[:, None]
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for c in tl.range(0, n_chunks, loop_unroll_factor=CHUNKS):
-            acc = _chunk(acc, w_rows, s_rows, x_cols, c, stride_wp, stride_sp, K, n_ok, m_ok, BLOCK_N, DECODE, EVEN_N, EVEN_K, ONE_DOT)
+            acc = _chunk(acc, w_rows, s_rows, x_cols, c, stride_wp, stride_sp, K, n_ok, m_ok, BLOCK_N, DECODE, EVEN_N,
+                         EVEN_K, ONE_DOT)
         g = tl.load(g_ptr + e.to(tl.int64) * stride_ge + rn, mask=n_ok, other=0.0)
         y_at = y_ptr + tl.where(m_ok, ids, 0).to(tl.int64)[None, :] * stride_ym + rn[:, None]
         tl.store(y_at, (acc * g[:, None]).to(y_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])

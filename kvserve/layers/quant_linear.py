@@ -47,7 +47,8 @@ def keep_packed(module: nn.Module, prefix: str, packed: W4A16Weight) -> None:
 
 
 class NVFP4Linear(nn.Module):
-    """``y = x @ W^T (+ bias)`` with W in NVFP4 (kernels/triton_w4a16.py). Loads the checkpoint's
+    """``y = x @ W^T (+ bias)`` with W in NVFP4 (kernels/gluon_w4a16.py for decode batches on CUDA,
+    kernels/triton_w4a16.py otherwise). Loads the checkpoint's
     tensors; ``finalize`` then repacks them into the kernel layout (``codes``, ``scales``,
     ``row_scale``, the same bytes plus K padding) and drops them."""
 
