@@ -1,5 +1,5 @@
-"""W4A16 GEMM for decode batches (Gluon, CUDA): ``y = x @ W^T`` for up to 64 rows of x, the NVFP4
-weight decoded straight into tensor-core fragments in registers.
+"""W4A16 GEMM for decode batches (Gluon, CUDA): ``y = x @ W^T`` (``w4a16_linear`` gives it up to
+``MAX_M`` rows of x), the NVFP4 weight decoded straight into tensor-core fragments in registers.
 
 The Triton kernel (``triton_w4a16``) stages W through shared memory: the compiler copies each chunk
 there (cp.async) and reads it back in the MMA's register layout, and x goes to shared memory and
@@ -22,7 +22,8 @@ so the product is the same sum.
 evenly over one wave of programs, partial tiles summed in program order by the tile's last program.
 
 CUDA only (``mma.sync`` needs sm_80; the inline PTX is the Triton kernel's). No interpreter: the
-Triton kernel is this kernel's CPU twin, and tests/test_gluon_w4a16.py compares the two on a GPU.
+Triton kernel is this kernel's CPU counterpart, and tests/test_gluon_w4a16.py holds this one to the
+float64 bound on a GPU (and compiles it for sm_90 on the CPU).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ try:  # (triton >= 3.4)
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
     _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # (triton 3.6: thread_barrier; 3.9: barrier)
-except ImportError:  # pragma: no cover
+except (ImportError, AttributeError):  # pragma: no cover (a triton without Gluon, or another Gluon API)
     gluon = gl = mma_v2 = _cta_barrier = None
 
 MAX_M = 32  # batch rows w4a16_linear gives this kernel (H200: the Triton kernel is faster from 64)
@@ -57,7 +58,7 @@ def available(device: torch.device) -> bool:
 @dataclass(frozen=True)
 class GluonTiles:
     """Output rows x batch rows of a program's accumulator, warps (16 rows each per MMA step) and
-    programs per SM (None: as many as fit, from the compiled kernel's registers)."""
+    programs per SM (None or 0: as many as fit, from the compiled kernel's registers)."""
 
     block_n: int = 64
     block_m: int = 8
