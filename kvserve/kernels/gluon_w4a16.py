@@ -82,6 +82,7 @@ def _bits(n: int) -> list[int]:
     return [1 << i for i in range(n.bit_length() - 1)]
 
 
+@functools.lru_cache(maxsize=None)
 def _layouts(block_n: int, block_m: int, num_warps: int) -> tuple:
     """The register layouts (each as the linear map from register, lane and warp bits to tensor
     coordinates) of: a pair's codes [BN, 4 q, 4 (cc, h)] int32, its scales [BN, 4 q] (2 bytes: cc),
@@ -293,7 +294,7 @@ def w4a16_mma_matmul(x2: torch.Tensor, weight: tw.W4A16Weight, y: torch.Tensor,
     else:
         per_sm = t.programs_per_sm or tw._ctas_per_sm(
             _w4a16_mma_kernel, lambda: args(1, tw._no_parts(x2.device), tw._tile_locks(x2.device)),
-            meta, x2.dtype, x2.device)
+            meta, x2.dtype, x2.device, variant=(t, meta["EVEN_K"]))
         programs = min(units, num_sms(x2.device) * per_sm)
     streamed = programs != n_tiles
     part = (torch.empty((programs, 2, t.block_n, t.block_m), dtype=torch.float32, device=x2.device) if streamed

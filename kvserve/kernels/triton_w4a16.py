@@ -496,12 +496,14 @@ def ctas_per_sm(n_regs: int, shared_bytes: int, num_warps: int, regs_per_sm: int
     return max(1, min(by_regs, by_smem, threads_per_sm // (32 * num_warps)))
 
 
-def _ctas_per_sm(kernel, make_args, meta: dict, dtype: torch.dtype, device: torch.device) -> int:
+def _ctas_per_sm(kernel, make_args, meta: dict, dtype: torch.dtype, device: torch.device,
+                 variant: tuple | None = None) -> int:
     """``ctas_per_sm`` of this compiled variant (asked once per variant: ``make_args`` builds a
-    launch's arguments only then), so the stream-K split fills exactly one wave."""
+    launch's arguments only then), so the stream-K split fills exactly one wave. ``variant`` names
+    the variant where meta's values are not hashable (default: meta's values, in their one order)."""
     if device.type != "cuda":
         return _INTERPRETER_CTAS_PER_SM
-    key = (id(kernel), device, dtype, tuple(map(repr, meta.values())))  # (meta's keys come in one order)
+    key = (id(kernel), device, dtype, tuple(meta.values()) if variant is None else variant)
     occ = _occupancy.get(key)
     if occ is None:
         try:
