@@ -95,10 +95,16 @@ def sweep_tiles(m: int) -> list:
     from kvserve.kernels import gluon_w4a16 as g
     from kvserve.kernels.triton_w4a16 import W4A16Tiles
 
-    if m <= g.MAX_M and g.available(torch.device(DEV)):  # the Gluon kernel's grid
-        bm = g.default_tiles(m).block_m
-        return [g.GluonTiles(bn, bm, w, per_sm) for bn, w in ((128, 4), (64, 4), (256, 4), (128, 8), (256, 8), (64, 2))
-                for per_sm in (None, 2)]
+    if m <= g.MAX_M and g.available(torch.device(DEV)):  # the Gluon kernel's grid (the 2026-12-02 sweeps' leaders)
+        T = g.GluonTiles
+        if m <= 8:
+            return [T(128, 8, 8), T(64, 8, 4, None, 2), T(128, 8, 4, None, 2), T(128, 8, 8, two_acc=True),
+                    T(64, 8, 4, None, 2, True), T(256, 8, 8)]
+        if m <= 16:
+            return [T(128, 16, 4, None, 2), T(64, 16, 4, None, 2), T(128, 16, 4, None, 2, True), T(128, 16, 8, None, 2),
+                    T(64, 16, 4, None, 2, True), T(128, 16, 4)]
+        return [T(64, 32, 2, None, 2), T(128, 32, 4, None, 2), T(64, 32, 4, None, 2), T(64, 32, 2),
+                T(256, 32, 8, None, 2), T(64, 32, 2, None, 3), T(256, 32, 4)]
     bm = next(b for b in (16, 32, 64, 128) if m <= b or b == 128)
     one = [W4A16Tiles(128, bm, ch, 4 if bm <= 64 else 8, st, one_dot=True) for ch in (1, 2) for st in (3, 4)]
     if m <= 16:

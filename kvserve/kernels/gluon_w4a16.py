@@ -64,7 +64,8 @@ class GluonTiles:
     block_m: int = 8
     num_warps: int = 4
     programs_per_sm: int | None = None
-    prefetch_x: bool = False  # the activations too loaded a pair ahead (more registers, fewer waits)
+    prefetch: int = 1  # pairs of chunks whose weights are loaded ahead of the one multiplied (1-3)
+    two_acc: bool = False  # a pair's second chunk into its own accumulator (two MMA chains, summed at the end)
 
 
 def default_tiles(m: int) -> GluonTiles:
@@ -162,13 +163,33 @@ if gluon is not None:
         acc = mma_v2(_operand(w3, BLOCK_N, A), x3, acc)
         return acc
 
+    @gluon.jit
+    def _pair_mma(acc, acc2, w, s, xa, xb, FP16: gl.constexpr, A: gl.constexpr, B: gl.constexpr,
+                  CHUNK_L: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, TWO_ACC: gl.constexpr):
+        """acc += one pair: codes [BN, 4 q, 4 words] int32, scales [BN, 4 q] int16, each chunk's activations
+        (TWO_ACC: the second chunk into acc2, two independent MMA chains)."""
+        w16 = gl.join((w & 0xFFFF).to(gl.int16), (w >> 16).to(gl.int16))  # [BN, 4, (cc, h), e]
+        w0, w1 = gl.split(gl.permute(gl.reshape(w16, [BLOCK_N, 4, 2, 2, 2]), [0, 1, 3, 4, 2]))
+        if FP16:
+            s0, s1 = gl.inline_asm_elementwise(_PAIR_SCALES_FP16, "=r,=r,r", [s.to(gl.int32) & 0xFFFF],
+                                               dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
+        else:
+            s0, s1 = gl.inline_asm_elementwise(_PAIR_SCALES_BF16, "=r,=r,r", [s.to(gl.int32) & 0xFFFF],
+                                               dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
+        acc = _chunk_mma(acc, w0, s0, xa, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M)
+        if TWO_ACC:
+            acc2 = _chunk_mma(acc2, w1, s1, xb, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M)
+        else:
+            acc = _chunk_mma(acc, w1, s1, xb, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M)
+        return acc, acc2
+
     @gluon.jit(do_not_specialize=["M", "N", "K", "n_pairs", "tiles_n", "units", "programs"])
     def _w4a16_mma_kernel(
         x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, part_ptr, lock_ptr,
         M, N, K, n_pairs, tiles_n, units, programs,
         stride_xm, stride_wn, stride_wp, stride_sn, stride_sp, stride_ym,
         BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, NUM_WARPS: gl.constexpr, FP16: gl.constexpr,
-        EVEN_K: gl.constexpr, PREFETCH_X: gl.constexpr, PAIR_L: gl.constexpr, SCALE_L: gl.constexpr,
+        EVEN_K: gl.constexpr, PREFETCH: gl.constexpr, TWO_ACC: gl.constexpr, PAIR_L: gl.constexpr, SCALE_L: gl.constexpr,
         CHUNK_L: gl.constexpr,
         ACT_L: gl.constexpr,
     ):
@@ -206,36 +227,31 @@ if gluon is not None:
             x_rows = gl.minimum(m0 + xm, M - 1).to(gl.int64)
             x_cols = x_ptr + (x_feat + gl.expand_dims(gl.expand_dims(x_rows * stride_xm, 0), 1))
             acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
+            acc2 = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
             w_now = gl.load(w_rows + p_begin * stride_wp)
             s_now = gl.load(s_rows + p_begin * stride_sp)
-            if PREFETCH_X:
-                xa_now = _load_x(x_cols, x_feat, p_begin * 128, K, EVEN_K)
-                xb_now = _load_x(x_cols, x_feat, p_begin * 128 + 64, K, EVEN_K)
+            if PREFETCH >= 2:
+                w_1 = gl.load(w_rows + gl.minimum(p_begin + 1, p_end - 1) * stride_wp)
+                s_1 = gl.load(s_rows + gl.minimum(p_begin + 1, p_end - 1) * stride_sp)
+            if PREFETCH >= 3:
+                w_2 = gl.load(w_rows + gl.minimum(p_begin + 2, p_end - 1) * stride_wp)
+                s_2 = gl.load(s_rows + gl.minimum(p_begin + 2, p_end - 1) * stride_sp)
             for pair in range(p_begin, p_end):
-                ahead = gl.minimum(pair + 1, p_end - 1)  # the next pair's operands, in flight during this one
+                ahead = gl.minimum(pair + PREFETCH, p_end - 1)  # in flight during this pair and the next ones
                 w_next = gl.load(w_rows + ahead * stride_wp)
                 s_next = gl.load(s_rows + ahead * stride_sp)
-                if PREFETCH_X:
-                    xa_next = _load_x(x_cols, x_feat, ahead * 128, K, EVEN_K)
-                    xb_next = _load_x(x_cols, x_feat, ahead * 128 + 64, K, EVEN_K)
+                xa_now = _load_x(x_cols, x_feat, pair * 128, K, EVEN_K)
+                xb_now = _load_x(x_cols, x_feat, pair * 128 + 64, K, EVEN_K)
+                acc, acc2 = _pair_mma(acc, acc2, w_now, s_now, xa_now, xb_now, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M,
+                                      TWO_ACC)
+                if PREFETCH == 1:
+                    w_now, s_now = w_next, s_next
+                elif PREFETCH == 2:
+                    w_now, s_now, w_1, s_1 = w_1, s_1, w_next, s_next
                 else:
-                    xa_now = _load_x(x_cols, x_feat, pair * 128, K, EVEN_K)
-                    xb_now = _load_x(x_cols, x_feat, pair * 128 + 64, K, EVEN_K)
-                w16 = gl.join((w_now & 0xFFFF).to(gl.int16), (w_now >> 16).to(gl.int16))  # [BN, 4, (cc, h), e]
-                w0, w1 = gl.split(gl.permute(gl.reshape(w16, [BLOCK_N, 4, 2, 2, 2]), [0, 1, 3, 4, 2]))
-                if FP16:
-                    s0, s1 = gl.inline_asm_elementwise(_PAIR_SCALES_FP16, "=r,=r,r", [s_now.to(gl.int32) & 0xFFFF],
-                                                       dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
-                else:
-                    s0, s1 = gl.inline_asm_elementwise(_PAIR_SCALES_BF16, "=r,=r,r", [s_now.to(gl.int32) & 0xFFFF],
-                                                       dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
-                acc = _chunk_mma(acc, w0, s0, xa_now, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M)
-                acc = _chunk_mma(acc, w1, s1, xb_now, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M)
-                w_now = w_next
-                s_now = s_next
-                if PREFETCH_X:
-                    xa_now = xa_next
-                    xb_now = xb_next
+                    w_now, s_now, w_1, s_1, w_2, s_2 = w_1, s_1, w_2, s_2, w_next, s_next
+            if TWO_ACC:
+                acc += acc2
             rn = n0 + on
             rm = m0 + om
             y_ok = gl.expand_dims(rn < N, 1) & gl.expand_dims(rm < M, 0)
@@ -271,16 +287,17 @@ def w4a16_mma_matmul(x2: torch.Tensor, weight: tw.W4A16Weight, y: torch.Tensor,
     m, k = x2.shape
     n = weight.out_features
     t = tiles or default_tiles(m)
-    if t.block_m not in (8, 16, 32, 64) or t.block_n % (16 * t.num_warps) or t.num_warps not in (1, 2, 4, 8):
+    if (t.block_m not in (8, 16, 32, 64) or t.block_n % (16 * t.num_warps) or t.num_warps not in (1, 2, 4, 8)
+            or t.prefetch not in (1, 2, 3)):
         raise ValueError(f"w4a16_mma_matmul: {t} needs block_m in 8, 16, 32, 64, block_n a multiple of "
-                         f"16 x num_warps and num_warps in 1, 2, 4, 8")
+                         f"16 x num_warps, num_warps in 1, 2, 4, 8 and prefetch 1, 2 or 3")
     n_pairs = weight.codes.shape[1]
     tiles_n, tiles_m = triton.cdiv(n, t.block_n), triton.cdiv(m, t.block_m)
     n_tiles = tiles_n * tiles_m
     units = n_tiles * n_pairs
     pair_l, scale_l, chunk_l, act_l = _layouts(t.block_n, t.block_m, t.num_warps)
     meta = dict(BLOCK_N=t.block_n, BLOCK_M=t.block_m, NUM_WARPS=t.num_warps, FP16=x2.dtype == torch.float16,
-                EVEN_K=k % 128 == 0, PREFETCH_X=t.prefetch_x, PAIR_L=pair_l, SCALE_L=scale_l, CHUNK_L=chunk_l,
+                EVEN_K=k % 128 == 0, PREFETCH=t.prefetch, TWO_ACC=t.two_acc, PAIR_L=pair_l, SCALE_L=scale_l, CHUNK_L=chunk_l,
                 ACT_L=act_l,
                 num_warps=t.num_warps)
     codes, scales = weight.codes.view(torch.int32), weight.scales.view(torch.int16)  # [N, pair, 16 / 4]
