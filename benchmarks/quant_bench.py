@@ -98,11 +98,9 @@ def sweep_tiles(m: int) -> list:
     if m <= g.MAX_M and g.available(torch.device(DEV)):  # the Gluon kernel's grid (the 2026-12-02 sweeps' leaders)
         T = g.GluonTiles
         if m <= 8:
-            return [T(128, 8, 8), T(64, 8, 4, None, 2), T(128, 8, 4, None, 2), T(128, 8, 8, two_acc=True),
-                    T(64, 8, 4, None, 2, True), T(256, 8, 8)]
+            return [T(128, 8, 4, None, 2), T(64, 8, 4, None, 2), T(128, 8, 8), T(256, 8, 8)]
         if m <= 16:
-            return [T(128, 16, 4, None, 2), T(64, 16, 4, None, 2), T(128, 16, 4, None, 2, True), T(128, 16, 8, None, 2),
-                    T(64, 16, 4, None, 2, True), T(128, 16, 4)]
+            return [T(128, 16, 4, None, 2), T(64, 16, 4, None, 2), T(128, 16, 8, None, 2), T(128, 16, 4)]
         return [T(64, 32, 2, None, 2), T(128, 32, 4, None, 2), T(64, 32, 4, None, 2), T(64, 32, 2),
                 T(256, 32, 8, None, 2), T(64, 32, 2, None, 3), T(256, 32, 4)]
     bm = next(b for b in (16, 32, 64, 128) if m <= b or b == 128)

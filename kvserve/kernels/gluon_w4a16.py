@@ -65,18 +65,17 @@ class GluonTiles:
     num_warps: int = 4
     programs_per_sm: int | None = None
     prefetch: int = 1  # pairs of chunks whose weights are loaded ahead of the one multiplied (1-3)
-    two_acc: bool = False  # a pair's second chunk into its own accumulator (two MMA chains, summed at the end)
 
 
 def default_tiles(m: int) -> GluonTiles:
     """The launch tiles for ``m`` batch rows: the accumulator as narrow as the batch allows, with
-    the output rows and warps of the fastest tiles of the H200 sweep on the 27B's MLP shapes
-    (benchmarks/RESULTS.md)."""
+    the output rows, warps and prefetch depth of the fastest tiles over the 27B's three MLP shapes in
+    the H200 sweep (benchmarks/RESULTS.md)."""
     if m <= 8:
-        return GluonTiles(128, 8, 8)
+        return GluonTiles(128, 8, 4, prefetch=2)
     if m <= 16:
-        return GluonTiles(128, 16, 4)
-    return GluonTiles(256, 32, 4) if m <= 32 else GluonTiles(64, 64, 2)
+        return GluonTiles(128, 16, 4, prefetch=2)
+    return GluonTiles(64, 32, 2, prefetch=2) if m <= 32 else GluonTiles(64, 64, 2)
 
 
 def _bits(n: int) -> list[int]:
@@ -164,10 +163,9 @@ if gluon is not None:
         return acc
 
     @gluon.jit
-    def _pair_mma(acc, acc2, w, s, xa, xb, FP16: gl.constexpr, A: gl.constexpr, B: gl.constexpr,
-                  CHUNK_L: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, TWO_ACC: gl.constexpr):
-        """acc += one pair: codes [BN, 4 q, 4 words] int32, scales [BN, 4 q] int16, each chunk's activations
-        (TWO_ACC: the second chunk into acc2, two independent MMA chains)."""
+    def _pair_mma(acc, w, s, xa, xb, FP16: gl.constexpr, A: gl.constexpr, B: gl.constexpr,
+                  CHUNK_L: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr):
+        """acc += one pair: codes [BN, 4 q, 4 words] int32, scales [BN, 4 q] int16, each chunk's activations."""
         w16 = gl.join((w & 0xFFFF).to(gl.int16), (w >> 16).to(gl.int16))  # [BN, 4, (cc, h), e]
         w0, w1 = gl.split(gl.permute(gl.reshape(w16, [BLOCK_N, 4, 2, 2, 2]), [0, 1, 3, 4, 2]))
         if FP16:
@@ -177,11 +175,7 @@ if gluon is not None:
             s0, s1 = gl.inline_asm_elementwise(_PAIR_SCALES_BF16, "=r,=r,r", [s.to(gl.int32) & 0xFFFF],
                                                dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
         acc = _chunk_mma(acc, w0, s0, xa, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M)
-        if TWO_ACC:
-            acc2 = _chunk_mma(acc2, w1, s1, xb, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M)
-        else:
-            acc = _chunk_mma(acc, w1, s1, xb, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M)
-        return acc, acc2
+        return _chunk_mma(acc, w1, s1, xb, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M)
 
     @gluon.jit(do_not_specialize=["M", "N", "K", "n_pairs", "tiles_n", "units", "programs"])
     def _w4a16_mma_kernel(
@@ -189,7 +183,7 @@ if gluon is not None:
         M, N, K, n_pairs, tiles_n, units, programs,
         stride_xm, stride_wn, stride_wp, stride_sn, stride_sp, stride_ym,
         BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, NUM_WARPS: gl.constexpr, FP16: gl.constexpr,
-        EVEN_K: gl.constexpr, PREFETCH: gl.constexpr, TWO_ACC: gl.constexpr, PAIR_L: gl.constexpr, SCALE_L: gl.constexpr,
+        EVEN_K: gl.constexpr, PREFETCH: gl.constexpr, PAIR_L: gl.constexpr, SCALE_L: gl.constexpr,
         CHUNK_L: gl.constexpr,
         ACT_L: gl.constexpr,
     ):
@@ -227,7 +221,6 @@ if gluon is not None:
             x_rows = gl.minimum(m0 + xm, M - 1).to(gl.int64)
             x_cols = x_ptr + (x_feat + gl.expand_dims(gl.expand_dims(x_rows * stride_xm, 0), 1))
             acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
-            acc2 = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
             w_now = gl.load(w_rows + p_begin * stride_wp)
             s_now = gl.load(s_rows + p_begin * stride_sp)
             if PREFETCH >= 2:
@@ -242,16 +235,13 @@ if gluon is not None:
                 s_next = gl.load(s_rows + ahead * stride_sp)
                 xa_now = _load_x(x_cols, x_feat, pair * 128, K, EVEN_K)
                 xb_now = _load_x(x_cols, x_feat, pair * 128 + 64, K, EVEN_K)
-                acc, acc2 = _pair_mma(acc, acc2, w_now, s_now, xa_now, xb_now, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M,
-                                      TWO_ACC)
+                acc = _pair_mma(acc, w_now, s_now, xa_now, xb_now, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M)
                 if PREFETCH == 1:
                     w_now, s_now = w_next, s_next
                 elif PREFETCH == 2:
                     w_now, s_now, w_1, s_1 = w_1, s_1, w_next, s_next
                 else:
                     w_now, s_now, w_1, s_1, w_2, s_2 = w_1, s_1, w_2, s_2, w_next, s_next
-            if TWO_ACC:
-                acc += acc2
             rn = n0 + on
             rm = m0 + om
             y_ok = gl.expand_dims(rn < N, 1) & gl.expand_dims(rm < M, 0)
@@ -297,7 +287,7 @@ def w4a16_mma_matmul(x2: torch.Tensor, weight: tw.W4A16Weight, y: torch.Tensor,
     units = n_tiles * n_pairs
     pair_l, scale_l, chunk_l, act_l = _layouts(t.block_n, t.block_m, t.num_warps)
     meta = dict(BLOCK_N=t.block_n, BLOCK_M=t.block_m, NUM_WARPS=t.num_warps, FP16=x2.dtype == torch.float16,
-                EVEN_K=k % 128 == 0, PREFETCH=t.prefetch, TWO_ACC=t.two_acc, PAIR_L=pair_l, SCALE_L=scale_l, CHUNK_L=chunk_l,
+                EVEN_K=k % 128 == 0, PREFETCH=t.prefetch, PAIR_L=pair_l, SCALE_L=scale_l, CHUNK_L=chunk_l,
                 ACT_L=act_l,
                 num_warps=t.num_warps)
     codes, scales = weight.codes.view(torch.int32), weight.scales.view(torch.int16)  # [N, pair, 16 / 4]
