@@ -303,13 +303,18 @@ def test_fp8_layers_keep_fp8_and_run_the_scaled_gemm(export, monkeypatch, kvlog,
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_fp8_gemm_on_cuda_matches_the_cpu_run(export, monkeypatch):
     """On CUDA the FP8 layers run the scaled FP8 GEMM by default (cuBLASLt through
-    torch._scaled_mm); float32, the same greedy tokens as the CPU run of the same layers, logprobs
-    within 1e-3 (two devices, two summation orders, two attention backends)."""
+    torch._scaled_mm); float32, its greedy run is close to the CPU run of the same layers by vLLM's
+    ``check_logprobs_close``: the same tokens up to the first difference, and there each run's token
+    among the other's top 5. Not token for token: Hopper's FP8 GEMM is within ~1.6e-5 of the sum of
+    |products| (benchmarks/quant_bench.py on the H200), the CPU's within 3e-7, and a difference that
+    size moves an activation across an e4m3 rounding boundary in the next layer's quantiser (a whole
+    e4m3 step) in most prompts of this model: its first-token logprobs were 1.8e-4 to 0.12 apart on
+    the H200, 2026-12-02, with the third greedy token of one prompt flipped (docs/QUANTIZATION.md)."""
     from kvserve.layers import quant_linear
     from kvserve.layers.quant_linear import FP8Linear
 
     folder = export("llama", "FP8", kv=None)
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
     runs = {}
     for device in ("cuda", "cpu"):
         if device == "cpu":
@@ -317,8 +322,11 @@ def test_fp8_gemm_on_cuda_matches_the_cpu_run(export, monkeypatch):
         llm = LLM(str(folder), dtype="float32", kv_cache_memory=1 << 22, max_num_seqs=4, device=device)
         assert any(isinstance(m, FP8Linear) for m in llm.llm_engine.runner.model.modules())
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-        runs[device] = [(list(o.outputs[0].token_ids), [d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
-                        for o in outs]
+        runs[device] = [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs]
         del llm
-    assert [t for t, _ in runs["cuda"]] == [t for t, _ in runs["cpu"]]
-    assert max(abs(a - b) for (_, la), (_, lb) in zip(runs["cuda"], runs["cpu"]) for a, b in zip(la, lb)) <= 1e-3
+    for (cuda_tokens, cuda_lps), (cpu_tokens, cpu_lps) in zip(runs["cuda"], runs["cpu"]):
+        assert len(cuda_tokens) == len(cpu_tokens) == MAX_TOKENS
+        for step, (a, b) in enumerate(zip(cuda_tokens, cpu_tokens)):
+            if a != b:  # vLLM's check_logprobs_close: each in the other's top logprobs, then stop
+                assert a in cpu_lps[step] and b in cuda_lps[step], (step, cuda_tokens, cpu_tokens)
+                break
