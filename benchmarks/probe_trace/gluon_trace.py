@@ -1,0 +1,343 @@
+"""Probe copy (to history) of kvserve/kernels/gluon_w4a16.py with per-program timestamps. W4A16 GEMM for decode batches (Gluon, CUDA): ``y = x @ W^T`` (``w4a16_linear`` gives it up to
+``MAX_M`` rows of x), the NVFP4 weight decoded straight into tensor-core fragments in registers.
+
+The Triton kernel (``triton_w4a16``) stages W through shared memory: the compiler copies each chunk
+there (cp.async) and reads it back in the MMA's register layout, and x goes to shared memory and
+back twice, with a barrier a chunk. Gluon states the layouts, so here nothing touches shared
+memory: each thread loads, with 16-byte loads, exactly the code words and activations its
+``mma.sync`` fragments need, decodes them in registers (the same PTX as the Triton kernel) and
+multiplies. The next pair of chunks is loaded before the current one is decoded (a register
+prefetch), so each warp keeps its loads in flight while it computes.
+
+**Why the layout fits** (``triton_w4a16`` module docstring has the word format): the A fragment of
+an m16n8k16 MMA gives thread ``q = lane % 4`` the columns ``2q, 2q + 1, 2q + 8, 2q + 9`` of its two
+rows, and the B fragment gives it the same four k of its batch row. A pair's word ``8q + 4cc + 2h
++ e`` holds features ``16q + 4j + 2h + e`` of chunk ``cc`` (j = 0..3), so thread q's words of a row
+are 16 contiguous bytes (both chunks), its activations of a chunk are the 16 contiguous features
+``16q ..``, and all of them share one block scale (group q). The MMA's k order is a permutation of
+the features: column ``8h + 2q + e`` of step j is feature ``16q + 4j + 2h + e``, for W and x alike,
+so the product is the same sum.
+
+**Schedule**: stream-K as the Triton kernel (its docstring): the (tile, pair) units are split
+evenly over one wave of programs, partial tiles summed in program order by the tile's last program.
+
+CUDA only (``mma.sync`` needs sm_80; the inline PTX is the Triton kernel's). No interpreter: the
+Triton kernel is this kernel's CPU counterpart, and tests/test_gluon_w4a16.py holds this one to the
+float64 bound on a GPU (and compiles it for sm_90 on the CPU).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from kvserve.kernels import triton_w4a16 as tw
+from kvserve.kernels.triton_store import num_sms
+
+try:  # (triton >= 3.4)
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+    _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # (triton 3.6: thread_barrier; 3.9: barrier)
+except (ImportError, AttributeError):  # pragma: no cover (a triton without Gluon, or another Gluon API)
+    gluon = gl = mma_v2 = _cta_barrier = None
+
+MAX_M = 32
+TRACE = [None]  # batch rows w4a16_linear gives this kernel (H200: the Triton kernel is faster from 64)
+
+
+@functools.lru_cache(maxsize=None)
+def available(device: torch.device) -> bool:
+    """Whether this kernel runs on ``device``: CUDA with sm_80+ and a triton with Gluon."""
+    return (gluon is not None and device.type == "cuda"
+            and torch.cuda.get_device_capability(device) >= (8, 0))
+
+
+@dataclass(frozen=True)
+class GluonTiles:
+    """Output rows x batch rows of a program's accumulator, warps (16 rows each per MMA step) and
+    programs per SM (None or 0: as many as fit, from the compiled kernel's registers)."""
+
+    block_n: int = 64
+    block_m: int = 8
+    num_warps: int = 4
+    programs_per_sm: int | None = None
+    prefetch: int = 1  # pairs of chunks whose weights are loaded ahead of the one multiplied (1-3)
+
+
+def default_tiles(m: int) -> GluonTiles:
+    """The launch tiles for ``m`` batch rows: the accumulator as narrow as the batch allows, with
+    the output rows, warps and prefetch depth of the fastest tiles over the 27B's three MLP shapes in
+    the H200 sweep (benchmarks/RESULTS.md)."""
+    if m <= 8:
+        return GluonTiles(128, 8, 4, prefetch=2)
+    if m <= 16:
+        return GluonTiles(128, 16, 4, prefetch=2)
+    return GluonTiles(64, 32, 2, prefetch=2) if m <= 32 else GluonTiles(64, 64, 2)
+
+
+def _bits(n: int) -> list[int]:
+    return [1 << i for i in range(n.bit_length() - 1)]
+
+
+@functools.lru_cache(maxsize=None)
+def _layouts(block_n: int, block_m: int, num_warps: int) -> tuple:
+    """The register layouts (each as the linear map from register, lane and warp bits to tensor
+    coordinates) of: a pair's codes [BN, 4 q, 4 (cc, h)] int32, its scales [BN, 4 q] (2 bytes: cc),
+    one chunk's codes [BN, 4 q, 2 h, 2 e] int16, and a chunk's activations [4 q, 16 f, BM]. Each
+    matches the MMA fragments (A: rows ``t / 4 + 8 b + 16 w``, columns from q; B: k from q, the batch
+    row from ``t / 4``) up to the order of a thread's registers."""
+    reps = block_n // (16 * num_warps)
+    rows = [[8, 0, 0]] + [[16 * num_warps * b, 0, 0] for b in _bits(reps)]
+    warps = [[16 * b, 0, 0] for b in _bits(num_warps)]
+    lanes = [[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]]
+    pair = gl.DistributedLinearLayout(reg_bases=[[0, 0, 1], [0, 0, 2]] + rows, lane_bases=lanes,
+                                      warp_bases=warps, block_bases=[], shape=[block_n, 4, 4])
+    scales = gl.DistributedLinearLayout(reg_bases=[r[:2] for r in rows], lane_bases=[v[:2] for v in lanes],
+                                        warp_bases=[v[:2] for v in warps], block_bases=[], shape=[block_n, 4])
+    four = lambda v: [v[0], v[1], 0, 0]  # noqa: E731
+    chunk = gl.DistributedLinearLayout(reg_bases=[[0, 0, 0, 1], [0, 0, 1, 0]] + [four(r) for r in rows],
+                                       lane_bases=[four(v) for v in lanes], warp_bases=[four(v) for v in warps],
+                                       block_bases=[], shape=[block_n, 4, 2, 2])
+    acts = gl.DistributedLinearLayout(
+        reg_bases=[[0, 1, 0], [0, 2, 0], [0, 4, 0], [0, 8, 0]] + [[0, 0, 8 * b] for b in _bits(block_m // 8)],
+        lane_bases=[[1, 0, 0], [2, 0, 0], [0, 0, 1], [0, 0, 2], [0, 0, 4]],
+        warp_bases=[[0, 0, 0]] * len(_bits(num_warps)), block_bases=[], shape=[4, 16, block_m])
+    return pair, scales, chunk, acts
+
+
+if gluon is not None:
+    _DECODE_BF16 = tw._DECODE_BF16
+    _DECODE_FP16 = tw._DECODE_FP16
+    _PAIR_SCALES_BF16 = gl.constexpr(tw._scales_text(True, 2))  # a thread's group in both chunks of a pair
+    _PAIR_SCALES_FP16 = gl.constexpr(tw._scales_text(False, 2))
+
+    @gluon.jit
+    def _load_x(x_cols, x_feat, k0, K, EVEN_K: gl.constexpr):
+        """A chunk's activations [4 q, 16 f, BM] from feature k0 (zeros past K)."""
+        if EVEN_K:
+            return gl.load(x_cols + k0)
+        return gl.load(x_cols + k0, mask=x_feat + k0 < K, other=0.0)
+
+    @gluon.jit
+    def _steps_of_x(x, BLOCK_M: gl.constexpr, B: gl.constexpr):
+        """A chunk's activations [4 q, 16 f, BM] (feature 16q + f, f = 4j + 2h + e) -> the B operands
+        of its four k16 steps, column 8h + 2q + e."""
+        x = gl.permute(gl.reshape(x, [4, 2, 2, 2, 2, BLOCK_M]), [0, 3, 4, 5, 1, 2])  # [q, h, e, m, j1, j0]
+        even, odd = gl.split(x)
+        x0, x2 = gl.split(even)
+        x1, x3 = gl.split(odd)
+        x0 = gl.convert_layout(gl.reshape(gl.permute(x0, [1, 0, 2, 3]), [16, BLOCK_M]), B)
+        x1 = gl.convert_layout(gl.reshape(gl.permute(x1, [1, 0, 2, 3]), [16, BLOCK_M]), B)
+        x2 = gl.convert_layout(gl.reshape(gl.permute(x2, [1, 0, 2, 3]), [16, BLOCK_M]), B)
+        x3 = gl.convert_layout(gl.reshape(gl.permute(x3, [1, 0, 2, 3]), [16, BLOCK_M]), B)
+        return x0, x1, x2, x3
+
+    @gluon.jit
+    def _operand(w_j, BLOCK_N: gl.constexpr, A: gl.constexpr):
+        """Step j's decoded weights [BN, 4 q, 2 h, 2 e] -> the A operand, column 8h + 2q + e."""
+        return gl.convert_layout(gl.reshape(gl.permute(w_j, [0, 2, 1, 3]), [BLOCK_N, 16]), A)
+
+    @gluon.jit
+    def _chunk_mma(acc, w, s, x, FP16: gl.constexpr, A: gl.constexpr, B: gl.constexpr,
+                   CHUNK_L: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr):
+        """acc += one chunk: codes [BN, 4, 2, 2] int16, their scale pairs [BN, 4], activations [4, 16, BM]."""
+        w = gl.convert_layout(w, CHUNK_L)
+        s = gl.convert_layout(s, gl.SliceLayout(2, gl.SliceLayout(3, CHUNK_L)))
+        s = gl.expand_dims(gl.expand_dims(s, 2), 3).broadcast_to(w.shape)
+        if FP16:
+            w0, w1, w2, w3 = gl.inline_asm_elementwise(
+                _DECODE_FP16, "=r,=r,=r,=r,r,r,r", [w, s], dtype=(gl.float16, gl.float16, gl.float16, gl.float16),
+                is_pure=True, pack=2)
+        else:
+            w0, w1, w2, w3 = gl.inline_asm_elementwise(
+                _DECODE_BF16, "=r,=r,=r,=r,r,r,r", [w, s],
+                dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16), is_pure=True, pack=2)
+        x0, x1, x2, x3 = _steps_of_x(x, BLOCK_M, B)
+        acc = mma_v2(_operand(w0, BLOCK_N, A), x0, acc)
+        acc = mma_v2(_operand(w1, BLOCK_N, A), x1, acc)
+        acc = mma_v2(_operand(w2, BLOCK_N, A), x2, acc)
+        acc = mma_v2(_operand(w3, BLOCK_N, A), x3, acc)
+        return acc
+
+    @gluon.jit
+    def _pair_mma(acc, w, s, xa, xb, FP16: gl.constexpr, A: gl.constexpr, B: gl.constexpr,
+                  CHUNK_L: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr):
+        """acc += one pair: codes [BN, 4 q, 4 words] int32, scales [BN, 4 q] int16, each chunk's activations."""
+        w16 = gl.join((w & 0xFFFF).to(gl.int16), (w >> 16).to(gl.int16))  # [BN, 4, (cc, h), e]
+        w0, w1 = gl.split(gl.permute(gl.reshape(w16, [BLOCK_N, 4, 2, 2, 2]), [0, 1, 3, 4, 2]))
+        if FP16:
+            s0, s1 = gl.inline_asm_elementwise(_PAIR_SCALES_FP16, "=r,=r,r", [s.to(gl.int32) & 0xFFFF],
+                                               dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
+        else:
+            s0, s1 = gl.inline_asm_elementwise(_PAIR_SCALES_BF16, "=r,=r,r", [s.to(gl.int32) & 0xFFFF],
+                                               dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
+        acc = _chunk_mma(acc, w0, s0, xa, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M)
+        return _chunk_mma(acc, w1, s1, xb, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M)
+
+    @gluon.jit(do_not_specialize=["M", "N", "K", "n_pairs", "tiles_n", "units", "programs"])
+    def _w4a16_mma_kernel(
+        x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, part_ptr, lock_ptr, trace_ptr,
+        M, N, K, n_pairs, tiles_n, units, programs,
+        stride_xm, stride_wn, stride_wp, stride_sn, stride_sp, stride_ym,
+        BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, NUM_WARPS: gl.constexpr, FP16: gl.constexpr,
+        EVEN_K: gl.constexpr, PREFETCH: gl.constexpr, PAIR_L: gl.constexpr, SCALE_L: gl.constexpr,
+        CHUNK_L: gl.constexpr,
+        ACT_L: gl.constexpr,
+    ):
+        """Program p takes units [p U / P, (p + 1) U / P) of U = tiles x pairs (tile-major)."""
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                      instr_shape=[16, 8])
+        A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+        B: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+        p = gl.program_id(0)
+        u_lo = (p.to(gl.int64) * units // programs).to(gl.int32)
+        u_hi = ((p.to(gl.int64) + 1) * units // programs).to(gl.int32)
+        # index vectors: codes [BN, 4 q, 4 words], scales [BN, 4 q], activations [4 q, 16 f, BM]
+        cn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, PAIR_L)))
+        cq = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, PAIR_L)))
+        cw = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, PAIR_L)))
+        c_in_row = gl.expand_dims(gl.expand_dims(cq * 4, 0), 2) + gl.expand_dims(gl.expand_dims(cw, 0), 1)
+        sn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, SCALE_L))
+        sq = gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, SCALE_L)), 0)
+        xq = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, ACT_L)))
+        xf = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, ACT_L)))
+        xm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, gl.SliceLayout(1, ACT_L)))
+        x_feat = gl.expand_dims(gl.expand_dims(xq * 16, 1), 2) + gl.expand_dims(gl.expand_dims(xf, 0), 2)
+        on = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
+        om = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
+        tr = trace_ptr + p.to(gl.int64) * 16
+        gl.store(tr + 0, gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [p], dtype=gl.int32, is_pure=False, pack=1).to(gl.int64))
+        gl.store(tr + 1, gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [p], dtype=gl.int64, is_pure=False, pack=1))
+        seg = 0
+        u = u_lo
+        while u < u_hi:
+            tile = u // n_pairs
+            p_begin = u - tile * n_pairs
+            p_end = gl.minimum(n_pairs, p_begin + (u_hi - u))
+            n0 = (tile % tiles_n) * BLOCK_N
+            m0 = (tile // tiles_n) * BLOCK_M
+            rows = gl.minimum(n0 + cn, N - 1).to(gl.int64)  # (rows past N load row N - 1, never stored)
+            w_rows = w_ptr + (gl.expand_dims(gl.expand_dims(rows * stride_wn, 1), 2) + c_in_row)
+            s_rows = s_ptr + (gl.expand_dims(gl.minimum(n0 + sn, N - 1).to(gl.int64) * stride_sn, 1) + sq)
+            x_rows = gl.minimum(m0 + xm, M - 1).to(gl.int64)
+            x_cols = x_ptr + (x_feat + gl.expand_dims(gl.expand_dims(x_rows * stride_xm, 0), 1))
+            acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
+            w_now = gl.load(w_rows + p_begin * stride_wp)
+            s_now = gl.load(s_rows + p_begin * stride_sp)
+            if PREFETCH >= 2:
+                w_1 = gl.load(w_rows + gl.minimum(p_begin + 1, p_end - 1) * stride_wp)
+                s_1 = gl.load(s_rows + gl.minimum(p_begin + 1, p_end - 1) * stride_sp)
+            if PREFETCH >= 3:
+                w_2 = gl.load(w_rows + gl.minimum(p_begin + 2, p_end - 1) * stride_wp)
+                s_2 = gl.load(s_rows + gl.minimum(p_begin + 2, p_end - 1) * stride_sp)
+            for pair in range(p_begin, p_end):
+                ahead = gl.minimum(pair + PREFETCH, p_end - 1)  # in flight during this pair and the next ones
+                w_next = gl.load(w_rows + ahead * stride_wp)
+                s_next = gl.load(s_rows + ahead * stride_sp)
+                xa_now = _load_x(x_cols, x_feat, pair * 128, K, EVEN_K)
+                xb_now = _load_x(x_cols, x_feat, pair * 128 + 64, K, EVEN_K)
+                acc = _pair_mma(acc, w_now, s_now, xa_now, xb_now, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M)
+                if PREFETCH == 1:
+                    w_now, s_now = w_next, s_next
+                elif PREFETCH == 2:
+                    w_now, s_now, w_1, s_1 = w_1, s_1, w_next, s_next
+                else:
+                    w_now, s_now, w_1, s_1, w_2, s_2 = w_1, s_1, w_2, s_2, w_next, s_next
+            if seg < 3:
+                gl.store(tr + 2 + 2 * seg, gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [p], dtype=gl.int64, is_pure=False, pack=1))
+            rn = n0 + on
+            rm = m0 + om
+            y_ok = gl.expand_dims(rn < N, 1) & gl.expand_dims(rm < M, 0)
+            g = gl.load(g_ptr + gl.minimum(rn, N - 1))
+            y_at = y_ptr + gl.expand_dims(rm.to(gl.int64) * stride_ym, 0) + gl.expand_dims(rn, 1)
+            if p_begin == 0 and p_end == n_pairs:  # the whole tile
+                gl.store(y_at, (acc * gl.expand_dims(g, 1)).to(y_ptr.dtype.element_ty), mask=y_ok)
+            else:  # a part (see triton_w4a16._w4a16_kernel): the tile's last program sums them in order
+                first = (u == u_lo).to(gl.int32)
+                part_at = gl.expand_dims(on, 1) * BLOCK_M + gl.expand_dims(om, 0)
+                slot = part_ptr + (p * 2 + 1 - first).to(gl.int64) * (BLOCK_N * BLOCK_M) + part_at
+                gl.store(slot, acc)
+                _cta_barrier()
+                t_lo, t_hi = tile * n_pairs, tile * n_pairs + n_pairs
+                q_first = ((t_lo + 1).to(gl.int64) * programs + units - 1) // units - 1
+                q_last = (t_hi.to(gl.int64) * programs + units - 1) // units - 1
+                arrived = gl.atomic_add(lock_ptr + tile, 1, sem="acq_rel")
+                if arrived == q_last - q_first:
+                    total = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
+                    for q in range(q_first, q_last + 1):
+                        q_lo = (q * units // programs).to(gl.int32)
+                        q_slot = q * 2 + 1 - (q_lo // n_pairs == tile).to(gl.int64)
+                        total += gl.load(part_ptr + q_slot * (BLOCK_N * BLOCK_M) + part_at, cache_modifier=".cg")
+                    gl.atomic_xchg(lock_ptr + tile, 0)
+                    gl.store(y_at, (total * gl.expand_dims(g, 1)).to(y_ptr.dtype.element_ty), mask=y_ok)
+            if seg < 3:
+                gl.store(tr + 3 + 2 * seg, gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [p], dtype=gl.int64, is_pure=False, pack=1))
+            seg += 1
+            u += p_end - p_begin
+        gl.store(tr + 8, seg.to(gl.int64))
+        gl.store(tr + 9, gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [p], dtype=gl.int64, is_pure=False, pack=1))
+
+
+def w4a16_mma_matmul(x2: torch.Tensor, weight: tw.W4A16Weight, y: torch.Tensor,
+                     tiles: GluonTiles | None = None) -> torch.Tensor:
+    """y [M, N] = x2 [M, K] (bf16 / fp16, rows contiguous) @ W^T, W from ``pack_w4a16`` (M <= 64 for
+    the default tiles; any M works, one batch tile after another)."""
+    m, k = x2.shape
+    n = weight.out_features
+    t = tiles or default_tiles(m)
+    if TRACE[0] is None:
+        TRACE[0] = torch.zeros((4096, 16), dtype=torch.int64, device=x2.device)
+    if (t.block_m not in (8, 16, 32, 64) or t.block_n % (16 * t.num_warps) or t.num_warps not in (1, 2, 4, 8)
+            or t.prefetch not in (1, 2, 3)):
+        raise ValueError(f"w4a16_mma_matmul: {t} needs block_m in 8, 16, 32, 64, block_n a multiple of "
+                         f"16 x num_warps, num_warps in 1, 2, 4, 8 and prefetch 1, 2 or 3")
+    n_pairs = weight.codes.shape[1]
+    tiles_n, tiles_m = triton.cdiv(n, t.block_n), triton.cdiv(m, t.block_m)
+    n_tiles = tiles_n * tiles_m
+    units = n_tiles * n_pairs
+    pair_l, scale_l, chunk_l, act_l = _layouts(t.block_n, t.block_m, t.num_warps)
+    meta = dict(BLOCK_N=t.block_n, BLOCK_M=t.block_m, NUM_WARPS=t.num_warps, FP16=x2.dtype == torch.float16,
+                EVEN_K=k % 128 == 0, PREFETCH=t.prefetch, PAIR_L=pair_l, SCALE_L=scale_l, CHUNK_L=chunk_l,
+                ACT_L=act_l,
+                num_warps=t.num_warps)
+    codes, scales = weight.codes.view(torch.int32), weight.scales.view(torch.int16)  # [N, pair, 16 / 4]
+
+    def args(programs: int, part: torch.Tensor, lock: torch.Tensor) -> list:
+        return [x2, codes, scales, weight.row_scale, y, part, lock, TRACE[0], m, n, k, n_pairs, tiles_n, units, programs,
+                x2.stride(0), codes.stride(0), codes.stride(1), scales.stride(0), scales.stride(1), y.stride(0)]
+
+    if n_tiles > tw._LOCKS:
+        programs = n_tiles
+    else:
+        per_sm = t.programs_per_sm or tw._ctas_per_sm(
+            _w4a16_mma_kernel, lambda: args(1, tw._no_parts(x2.device), tw._tile_locks(x2.device)),
+            meta, x2.dtype, x2.device, variant=(t, meta["EVEN_K"]))
+        programs = min(units, num_sms(x2.device) * per_sm)
+    streamed = programs != n_tiles
+    part = (torch.empty((programs, 2, t.block_n, t.block_m), dtype=torch.float32, device=x2.device) if streamed
+            else tw._no_parts(x2.device))
+    _w4a16_mma_kernel[(programs,)](*args(programs, part, tw._tile_locks(x2.device)), **meta)
+    return y
+
+
+def w4a16_linear(x: torch.Tensor, weight: tw.W4A16Weight, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ W^T as the model runs it: this kernel for batches of up to ``MAX_M`` rows of
+    bf16 / fp16 on a GPU that has it, else ``triton_w4a16.w4a16_matmul`` (the Triton kernel, the
+    dequantize path for large batches, the interpreter and fp32)."""
+    k, n = weight.in_features, weight.out_features
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    if not (0 < m <= MAX_M and x.dtype in (torch.bfloat16, torch.float16) and x.shape[-1] == k
+            and available(x.device)):
+        return tw.w4a16_matmul(x, weight, out=out)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y = out if out is not None else torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if tuple(y.shape) != (m, n) or y.stride(-1) != 1 or y.dtype != x.dtype:
+        raise ValueError(f"w4a16_linear: out {tuple(y.shape)} {y.dtype}, expected {(m, n)} {x.dtype}, rows contiguous")
+    w4a16_mma_matmul(x2, weight, y)
+    return y.reshape(*x.shape[:-1], n)
