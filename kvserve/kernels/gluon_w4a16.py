@@ -177,16 +177,6 @@ if gluon is not None:
         acc = _chunk_mma(acc, w0, s0, xa, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M)
         return _chunk_mma(acc, w1, s1, xb, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M)
 
-    @gluon.jit
-    def _part_of(q, q_last, tile, units, programs, n_pairs, part_ptr, part_at, TILE: gl.constexpr):
-        """Program q's partial of ``tile`` (its slot 0 if the tile is where it starts, else 1), 0 past
-        q_last (the load clamped to q_last's, so always in bounds)."""
-        q_in = gl.minimum(q, q_last)
-        q_lo = (q_in * units // programs).to(gl.int32)
-        q_slot = q_in * 2 + 1 - (q_lo // n_pairs == tile).to(gl.int64)
-        part = gl.load(part_ptr + q_slot * TILE + part_at, cache_modifier=".cg")
-        return gl.where(q <= q_last, part, 0.0)
-
     @gluon.jit(do_not_specialize=["M", "N", "K", "n_pairs", "tiles_n", "units", "programs"])
     def _w4a16_mma_kernel(
         x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, part_ptr, lock_ptr,
@@ -271,18 +261,10 @@ if gluon is not None:
                 arrived = gl.atomic_add(lock_ptr + tile, 1, sem="acq_rel")
                 if arrived == q_last - q_first:
                     total = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
-                    for q in range(q_first, q_last + 1, 4):  # four parts' loads in flight at once, summed in order
-                        part_0 = _part_of(q, q_last, tile, units, programs, n_pairs, part_ptr, part_at, BLOCK_N * BLOCK_M)
-                        part_1 = _part_of(q + 1, q_last, tile, units, programs, n_pairs, part_ptr, part_at,
-                                          BLOCK_N * BLOCK_M)
-                        part_2 = _part_of(q + 2, q_last, tile, units, programs, n_pairs, part_ptr, part_at,
-                                          BLOCK_N * BLOCK_M)
-                        part_3 = _part_of(q + 3, q_last, tile, units, programs, n_pairs, part_ptr, part_at,
-                                          BLOCK_N * BLOCK_M)
-                        total += part_0
-                        total += part_1
-                        total += part_2
-                        total += part_3
+                    for q in range(q_first, q_last + 1):
+                        q_lo = (q * units // programs).to(gl.int32)
+                        q_slot = q * 2 + 1 - (q_lo // n_pairs == tile).to(gl.int64)
+                        total += gl.load(part_ptr + q_slot * (BLOCK_N * BLOCK_M) + part_at, cache_modifier=".cg")
                     gl.atomic_xchg(lock_ptr + tile, 0)
                     gl.store(y_at, (total * gl.expand_dims(g, 1)).to(y_ptr.dtype.element_ty), mask=y_ok)
             u += p_end - p_begin
