@@ -6,8 +6,9 @@ there (cp.async) and reads it back in the MMA's register layout, and x goes to s
 back twice, with a barrier a chunk. Gluon states the layouts, so here nothing touches shared
 memory: each thread loads, with 16-byte loads, exactly the code words and activations its
 ``mma.sync`` fragments need, decodes them in registers (the same PTX as the Triton kernel) and
-multiplies. The next pair of chunks is loaded before the current one is decoded (a register
-prefetch), so each warp keeps its loads in flight while it computes.
+multiplies. The weights of the pair ``GluonTiles.prefetch`` (1-3) pairs ahead are loaded before the
+current one is decoded (a register prefetch), so each warp keeps its loads in flight while it
+computes.
 
 **Why the layout fits** (``triton_w4a16`` module docstring has the word format): the A fragment of
 an m16n8k16 MMA gives thread ``q = lane % 4`` the columns ``2q, 2q + 1, 2q + 8, 2q + 9`` of its two
