@@ -9,18 +9,28 @@ Why regenerate: an fp8 cache turns ulp-level fp32 differences (another CPU's mat
 transcendental kernels) into different fp8 codes, so a reference computed on another machine
 carries that machine's noise. Against a reference made here, the comparison measures kvserve.
 
+The recipe's own spread: the same recipe run as one pass over prompt + reference output (what
+``kvserve parity --teacher-forced`` does) differs from the token-by-token run by ulp-level matmul
+differences that fp8 rounding amplifies; how much depends on the CPU's kernels (98.6% of steps
+agree on one 2-core AVX2 machine, 97.5% on a CI machine). ``--spread`` prints that line, the
+noise floor any engine's teacher-forced comparison against this reference sits on.
+
     python -m kvserve.tools.fp8_reference --prompts P.jsonl --model DIR --fp8 e4m3 \\
-        [--kv-scales kv_scales_scaled.json] --out ref.jsonl
+        [--kv-scales kv_scales_scaled.json] --out ref.jsonl [--spread]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from kvserve.tools.parity import (TeacherForcedSummary, read_jsonl, reference_logprobs, summarize_teacher_forced,
+                                  teacher_forced_line, teacher_forced_row)
 
 FORMATS = {"e4m3": (torch.float8_e4m3fn, 448.0), "e5m2": (torch.float8_e5m2, 57344.0)}
 EOS_ID = 2
@@ -69,9 +79,9 @@ def generate(model: Any, prompt_ids: list[int], cache_cls: type, max_tokens: int
     return {"output_token_ids": out, "top_logprobs": tops, "finish_reason": "stop" if out[-1] == EOS_ID else "length"}
 
 
-def make_reference(prompts_path: str | Path, model_dir: str | Path, fp8: str, kv_scales: str | Path | None,
-                   out_path: str | Path, max_tokens: int = 64) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _load(model_dir: str | Path, fp8: str, kv_scales: str | Path | None) -> tuple[Any, type]:
+    """The fp32 sdpa model and the recipe's cache class (per-layer scales, else 1.0)."""
+    from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="sdpa").eval()
     n = model.config.num_hidden_layers
@@ -80,7 +90,45 @@ def make_reference(prompts_path: str | Path, model_dir: str | Path, fp8: str, kv
         k_scales, v_scales = [x["k_scale"] for x in layers], [x["v_scale"] for x in layers]
     else:
         k_scales, v_scales = [1.0] * n, [1.0] * n
-    cache_cls = fake_quant_cache_class(fp8, k_scales, v_scales)
+    return model, fake_quant_cache_class(fp8, k_scales, v_scales)
+
+
+@dataclass(frozen=True)
+class RecipeSpread:
+    """The recipe run one pass against its token-by-token reference, as parity's teacher-forced mode."""
+
+    summary: TeacherForcedSummary
+    near_ties: int  # steps where the reference token and the best other token are within ``tie_margin``
+
+
+def recipe_spread(prompts_path: str | Path, reference_path: str | Path, model_dir: str | Path, fp8: str,
+                  kv_scales: str | Path | None = None, tie_margin: float = 2e-4) -> RecipeSpread:
+    """Teacher-forced figures of the recipe itself (one pass with the fake-quant cache) against
+    ``reference_path``; ``near_ties`` counts the steps an engine within ``tie_margin / 2`` of the
+    one-pass logprobs could flip."""
+    model, cache_cls = _load(model_dir, fp8, kv_scales)
+    refs = {r["id"]: r for r in read_jsonl(reference_path)}
+    rows, near = [], 0
+    for p in read_jsonl(prompts_path):
+        ref = refs[p["id"]]
+        out, n = [int(t) for t in ref["output_token_ids"]], len(p["prompt_token_ids"])
+        with torch.no_grad():
+            logits = model(torch.tensor([list(p["prompt_token_ids"]) + out]), past_key_values=cache_cls(config=model.config),
+                           use_cache=True).logits[0, n - 1:n - 1 + len(out)].float()
+        lp = torch.log_softmax(logits, dim=-1)
+        ours = lp[torch.arange(len(out)), torch.tensor(out)]
+        top1 = lp.max(dim=-1).values
+        best_other = lp.scatter(1, torch.tensor(out)[:, None], float("-inf")).max(dim=-1).values
+        near += int(((ours - best_other).abs() <= tie_margin).sum())
+        rows.append(teacher_forced_row(p["id"], reference_logprobs(ref), ours.tolist(), top1.tolist()))
+    return RecipeSpread(summarize_teacher_forced(rows), near)
+
+
+def make_reference(prompts_path: str | Path, model_dir: str | Path, fp8: str, kv_scales: str | Path | None,
+                   out_path: str | Path, max_tokens: int = 64) -> None:
+    from transformers import AutoTokenizer
+
+    model, cache_cls = _load(model_dir, fp8, kv_scales)
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     with open(prompts_path) as f, open(out_path, "w") as out:
         for line in f:
@@ -100,8 +148,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-scales", default=None, help="kv_scales_scaled.json-style per-layer scales (default 1.0)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--spread", action="store_true",
+                    help="then print the recipe's own teacher-forced spread against the file it wrote")
     a = ap.parse_args(argv)
     make_reference(a.prompts, a.model, a.fp8, a.kv_scales, a.out, a.max_tokens)
+    if a.spread:
+        s = recipe_spread(a.prompts, a.out, a.model, a.fp8, a.kv_scales)
+        print(f"recipe spread ({s.near_ties} near-tie steps): {teacher_forced_line(s.summary)}")
     return 0
 
 
