@@ -95,16 +95,21 @@ def sweep_tiles(m: int) -> list:
     from kvserve.kernels import gluon_w4a16 as g
     from kvserve.kernels.triton_w4a16 import W4A16Tiles
 
-    if m <= g.MAX_M and g.available(torch.device(DEV)):  # the Gluon kernel's grid (the 2026-12-02 sweeps' leaders)
+    if m <= g.MAX_M and g.available(torch.device(DEV)):  # the Gluon kernel's grid: stream-K, then split-K
         T = g.GluonTiles
-        if m <= 8:
-            return [T(128, 8, 4, None, 2), T(64, 8, 4, None, 2), T(128, 8, 8), T(256, 8, 8)]
-        if m <= 16:
-            return [T(128, 16, 4, None, 2), T(64, 16, 4, None, 2), T(128, 16, 8, None, 2), T(128, 16, 4)]
-        return [T(64, 32, 2, None, 2), T(128, 32, 4, None, 2), T(64, 32, 4, None, 2), T(64, 32, 2),
-                T(256, 32, 8, None, 2), T(64, 32, 2, None, 3), T(256, 32, 4)]
+        bm = 8 if m <= 8 else 16 if m <= 16 else 32
+        stream = ([T(128, bm, 4, None, 2), T(128, bm, 4, None, 2, True)] if bm < 32 else
+                  [T(64, 32, 2, None, 2), T(128, 32, 4, None, 2), T(64, 32, 2, None, 2, True)])
+        split = [T(bn, bm, w, None, pf, False, s) for bn, w in ((64, 4), (32, 2), (16, 1), (128, 4), (64, 2))
+                 for pf in (2, 3) for s in (0, 1)]
+        return stream + split
+    gluon = []  # x through shared memory lets the Gluon kernel take 64-row batch tiles without spilling
+    if m <= 128 and g.available(torch.device(DEV)):
+        gluon = [g.GluonTiles(64, 64, 2, None, 2, True), g.GluonTiles(128, 64, 4, None, 2, True),
+                 g.GluonTiles(64, 64, 4, None, 2, True)]
     bm = next(b for b in (16, 32, 64, 128) if m <= b or b == 128)
     one = [W4A16Tiles(128, bm, ch, 4 if bm <= 64 else 8, st, one_dot=True) for ch in (1, 2) for st in (3, 4)]
+    one = gluon + one
     if m <= 16:
         return one + ([W4A16Tiles(bn, 16, ch, 4, st, None, 0, reg) for reg in (None, 128) for bn in (128, 64)
                        for ch in (2, 1, 4) for st in (3, 4)]

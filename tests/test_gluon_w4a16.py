@@ -37,21 +37,26 @@ def test_gluon_w4a16_against_float64(dtype, shape):
 
 
 @gpu
-@pytest.mark.parametrize("tiles", [(64, 8, 4, 1, 1), (128, 16, 4, 2, 2), (256, 8, 8, None, 3), (32, 32, 2, 3, 1),
-                                   (64, 64, 4, 1, 2), (16, 8, 1, 5, 3)], ids=lambda t: "x".join(map(str, t)))
+@pytest.mark.parametrize("tiles", [(64, 8, 4, 1, 1, False, None), (128, 16, 4, 2, 2, True, None),
+                                   (256, 8, 8, None, 3, False, None), (32, 32, 2, 3, 1, True, None),
+                                   (64, 64, 4, 1, 2, True, None), (16, 8, 1, 5, 3, True, None),
+                                   (64, 8, 4, None, 2, False, 0), (16, 8, 1, None, 3, False, 3),
+                                   (32, 16, 2, None, 2, False, 1), (16, 32, 1, None, 2, False, 40)],
+                         ids=lambda t: "x".join(map(str, t)))
 def test_gluon_w4a16_tiles_and_stream_k(tiles):
-    """Every batch tile, warp count and prefetch depth, one to five programs an SM (parts summed
-    across programs): within the bound, the same bits on a second call, the tile counters back at
-    zero."""
+    """Every batch tile, warp count and prefetch depth, x from global or shared memory, one to five
+    programs an SM (stream-K: parts summed across programs) or S programs a tile (split-K: 1, 3, as
+    many as fill a wave, more than the tile's 10 pairs): within the bound, the same bits on a second
+    call, the tile counters back at zero."""
     from kvserve.kernels import gluon_w4a16 as g
     from kvserve.kernels import triton_w4a16 as tw
 
-    bn, bm, nw, per_sm, prefetch = tiles
-    m, n, k = 2 * bm - 3, 3 * bn + 5, 1152 + 64
+    bn, bm, nw, per_sm, prefetch, x_smem, split = tiles
+    m, n, k = 2 * bm - 3, 3 * bn + 5, 1152 + (0 if x_smem else 64)  # (x_smem: K a multiple of 128)
     (packed, block_scale, s2), gen = _quantized(n, k, bn + bm + nw)
     x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
     wt = tw.pack_w4a16(packed.cuda(), block_scale.cuda(), s2.cuda())
-    t = g.GluonTiles(bn, bm, nw, per_sm, prefetch)
+    t = g.GluonTiles(bn, bm, nw, per_sm, prefetch, x_smem, split)
     y = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
     g.w4a16_mma_matmul(x.cuda(), wt, y, t)
     assert _bound_ok(y.cpu(), x, _exact(packed, block_scale, s2))
@@ -62,6 +67,8 @@ def test_gluon_w4a16_tiles_and_stream_k(tiles):
         g.w4a16_mma_matmul(x.cuda(), wt, y, g.GluonTiles(bn, 24, nw))
     with pytest.raises(ValueError, match="prefetch 1, 2 or 3"):
         g.w4a16_mma_matmul(x.cuda(), wt, y, g.GluonTiles(bn, bm, nw, prefetch=4))
+    with pytest.raises(ValueError, match="split None or >= 0"):
+        g.w4a16_mma_matmul(x.cuda(), wt, y, g.GluonTiles(bn, bm, nw, split=-1))
 
 
 @gpu
@@ -102,7 +109,7 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from kvserve.kernels import gluon_w4a16 as g
 
-bn, bm, nw, fp16, even_k, prefetch = json.loads(sys.argv[1])
+bn, bm, nw, fp16, even_k, prefetch, x_smem = json.loads(sys.argv[1])
 if g.gluon is None:
     print(json.dumps(None))
     sys.exit()
@@ -112,20 +119,26 @@ sig = {"x_ptr": f"*{ty}", "w_ptr": "*i32", "s_ptr": "*i16", "g_ptr": "*fp32", "y
        "programs": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_wp": "i32", "stride_sn": "i32",
        "stride_sp": "i32", "stride_ym": "i32"}
 pair, scales, chunk, acts = g._layouts(bn, bm, nw)
-consts = dict(BLOCK_N=bn, BLOCK_M=bm, NUM_WARPS=nw, FP16=fp16, EVEN_K=even_k, PREFETCH=prefetch, PAIR_L=pair,
-              SCALE_L=scales, CHUNK_L=chunk, ACT_L=acts)
-src = GluonASTSource(fn=g._w4a16_mma_kernel, signature=sig, constexprs=consts)
+xcp, xs = g._x_smem_layouts(bm, nw)
+consts = dict(BLOCK_N=bn, BLOCK_M=bm, NUM_WARPS=nw, FP16=fp16, EVEN_K=even_k, PREFETCH=prefetch, X_SMEM=x_smem,
+              PAIR_L=pair, SCALE_L=scales, CHUNK_L=chunk, ACT_L=acts, XCP_L=xcp, XS_L=xs)
+aligned = ("x_ptr", "w_ptr", "s_ptr", "g_ptr", "y_ptr", "part_ptr", "lock_ptr", "stride_xm", "stride_wn", "stride_wp",
+           "stride_ym")  # as the launcher specializes them (16-byte aligned tensors, strides multiples of 16)
+attrs = {(list(sig).index(a),): [["tt.divisibility", 16]] for a in aligned}
+src = GluonASTSource(fn=g._w4a16_mma_kernel, signature=sig, constexprs=consts, attrs=attrs)
 k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": nw})
 ptx = k.asm["ptx"]
 print(json.dumps({"mma": ptx.count("mma.sync.aligned.m16n8k16"), "ld_shared": ptx.count("ld.shared"),
+                  "cp_async": ptx.count("cp.async.cg.shared.global"),
                   "st_shared": ptx.count("st.shared"), "shared": k.metadata.shared,
                   "local": ptx.count("ld.local") + ptx.count("st.local")}))
 """
 
 
-@pytest.mark.parametrize("variant", [(128, 8, 4, False, True, 2), (64, 32, 2, True, False, 2),
-                                     (128, 16, 8, False, True, 3)],
-                         ids=["bf16-bm8-prefetch2", "fp16-bm32-oddK-prefetch2", "bf16-bm16-prefetch3"])
+@pytest.mark.parametrize("variant", [(128, 8, 4, False, True, 2, False), (64, 32, 2, True, False, 2, False),
+                                     (128, 16, 8, False, True, 3, False), (64, 32, 2, False, True, 2, True)],
+                         ids=["bf16-bm8-prefetch2", "fp16-bm32-oddK-prefetch2", "bf16-bm16-prefetch3",
+                              "bf16-bm32-x-smem"])
 def test_gluon_w4a16_compiles_for_sm90(variant):
     """The kernel compiles to sm_90 with this machine's triton: mma.sync, no spills, and shared
     memory only to hand the tile counter's value (one atomic) to the program's threads, no operand
@@ -146,5 +159,8 @@ def test_gluon_w4a16_compiles_for_sm90(variant):
         pytest.skip("this triton has no Gluon")
     bn, bm, nw = variant[:3]
     assert got["mma"] == 4 * (bn // (16 * nw)) * (bm // 8) * 2
-    assert got["ld_shared"] == 1 and got["st_shared"] == 1 and got["shared"] <= 16
+    if variant[-1]:  # x_smem: two stages of x [BM, 128] copied in by cp.async, read back, no weights staged
+        assert got["cp_async"] >= 1 and got["ld_shared"] > 1 and 2 * bm * 128 * 2 <= got["shared"] <= 2 * bm * 256 + 16
+    else:
+        assert got["ld_shared"] == 1 and got["st_shared"] == 1 and got["shared"] <= 16
     assert got["local"] == 0

@@ -41,10 +41,11 @@ from kvserve.kernels.triton_store import num_sms
 try:  # (triton >= 3.4)
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
     _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # (triton 3.6: thread_barrier; 3.9: barrier)
+    _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared  # (3.9 / 3.6)
 except (ImportError, AttributeError):  # pragma: no cover (a triton without Gluon, or another Gluon API)
-    gluon = gl = mma_v2 = _cta_barrier = None
+    gluon = gl = async_copy = mma_v2 = _cta_barrier = _cp_async = None
 
 MAX_M = 32  # batch rows w4a16_linear gives this kernel (H200: the Triton kernel is faster from 64)
 
@@ -58,14 +59,19 @@ def available(device: torch.device) -> bool:
 
 @dataclass(frozen=True)
 class GluonTiles:
-    """Output rows x batch rows of a program's accumulator, warps (16 rows each per MMA step) and
-    programs per SM (None or 0: as many as fit, from the compiled kernel's registers)."""
+    """Output rows x batch rows of a program's accumulator, warps (16 rows each per MMA step),
+    programs per SM (None or 0: as many as fit, from the compiled kernel's registers), and how K is
+    split over programs: ``split`` None = stream-K over one wave (a program's range may cross tiles);
+    S >= 1 = S programs a tile, each a contiguous run of its pairs (split-K: no program crosses a tile,
+    1 = no partial sums at all); 0 = the largest S whose programs fit in one wave."""
 
     block_n: int = 64
     block_m: int = 8
     num_warps: int = 4
     programs_per_sm: int | None = None
     prefetch: int = 1  # pairs of chunks whose weights are loaded ahead of the one multiplied (1-3)
+    x_smem: bool = False  # x through shared memory (cp.async a pair ahead, one copy for all warps; K % 128 == 0)
+    split: int | None = None
 
 
 def default_tiles(m: int) -> GluonTiles:
@@ -107,6 +113,18 @@ def _layouts(block_n: int, block_m: int, num_warps: int) -> tuple:
         lane_bases=[[1, 0, 0], [2, 0, 0], [0, 0, 1], [0, 0, 2], [0, 0, 4]],
         warp_bases=[[0, 0, 0]] * len(_bits(num_warps)), block_bases=[], shape=[4, 16, block_m])
     return pair, scales, chunk, acts
+
+
+@functools.lru_cache(maxsize=None)
+def _x_smem_layouts(block_m: int, num_warps: int) -> tuple:
+    """With ``x_smem``: the copy layout of a pair of x [BM, 128] (16 bytes a thread) and the register
+    layout of a chunk [BM, 64] read back, ACT_L's registers with (m, 16 q + f) coordinates."""
+    copy = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
+    read = gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8]] + [[8 * b, 0] for b in _bits(block_m // 8)],
+        lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[0, 0]] * len(_bits(num_warps)), block_bases=[], shape=[block_m, 64])
+    return copy, read
 
 
 if gluon is not None:
@@ -164,6 +182,18 @@ if gluon is not None:
         return acc
 
     @gluon.jit
+    def _smem_x(stage, f0, BLOCK_M: gl.constexpr, XS_L: gl.constexpr, ACT_L: gl.constexpr):
+        """A chunk's activations [4 q, 16 f, BM] from a shared-memory stage [BM, 128], features f0 .."""
+        xs = stage.slice(f0, 64, dim=1).load(XS_L)  # [BM, 64]: ACT_L's registers, in (m, 16 q + f) order
+        return gl.convert_layout(gl.reshape(gl.permute(xs, [1, 0]), [4, 16, BLOCK_M]), ACT_L)
+
+    @gluon.jit
+    def _copy_x(dst, x_from, k0):
+        """cp.async the pair of x [BM, 128] from feature k0 into ``dst`` (K a multiple of 128), one group."""
+        _cp_async(dst, x_from + k0)
+        async_copy.commit_group()
+
+    @gluon.jit
     def _pair_mma(acc, w, s, xa, xb, FP16: gl.constexpr, A: gl.constexpr, B: gl.constexpr,
                   CHUNK_L: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr):
         """acc += one pair: codes [BN, 4 q, 4 words] int32, scales [BN, 4 q] int16, each chunk's activations."""
@@ -178,15 +208,31 @@ if gluon is not None:
         acc = _chunk_mma(acc, w0, s0, xa, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M)
         return _chunk_mma(acc, w1, s1, xb, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M)
 
+    @gluon.constexpr_function
+    def _fixup_width(block_n, block_m, num_warps):
+        """Parts the fix-up loads at once: 4, 2 or 1, so that they hold at most 32 fp32 registers a thread."""
+        per_thread = block_n * block_m // (32 * num_warps)
+        return 4 if per_thread <= 8 else 2 if per_thread <= 16 else 1
+
+    @gluon.jit
+    def _part_of(q, q_last, tile, units, programs, n_pairs, part_ptr, part_at, TILE: gl.constexpr):
+        """Program q's partial of ``tile`` (its slot 0 if the tile is where it starts, else 1), 0 past
+        q_last (the load clamped to q_last's, so always in bounds)."""
+        q_in = gl.minimum(q, q_last)
+        q_lo = (q_in * units // programs).to(gl.int32)
+        q_slot = q_in * 2 + 1 - (q_lo // n_pairs == tile).to(gl.int64)
+        part = gl.load(part_ptr + q_slot * TILE + part_at, cache_modifier=".cg")
+        return gl.where(q <= q_last, part, 0.0)
+
     @gluon.jit(do_not_specialize=["M", "N", "K", "n_pairs", "tiles_n", "units", "programs"])
     def _w4a16_mma_kernel(
         x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, part_ptr, lock_ptr,
         M, N, K, n_pairs, tiles_n, units, programs,
         stride_xm, stride_wn, stride_wp, stride_sn, stride_sp, stride_ym,
         BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, NUM_WARPS: gl.constexpr, FP16: gl.constexpr,
-        EVEN_K: gl.constexpr, PREFETCH: gl.constexpr, PAIR_L: gl.constexpr, SCALE_L: gl.constexpr,
+        EVEN_K: gl.constexpr, PREFETCH: gl.constexpr, X_SMEM: gl.constexpr, PAIR_L: gl.constexpr, SCALE_L: gl.constexpr,
         CHUNK_L: gl.constexpr,
-        ACT_L: gl.constexpr,
+        ACT_L: gl.constexpr, XCP_L: gl.constexpr, XS_L: gl.constexpr,
     ):
         """Program p takes units [p U / P, (p + 1) U / P) of U = tiles x pairs (tile-major)."""
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1],
@@ -209,6 +255,11 @@ if gluon is not None:
         x_feat = gl.expand_dims(gl.expand_dims(xq * 16, 1), 2) + gl.expand_dims(gl.expand_dims(xf, 0), 2)
         on = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
         om = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
+        if X_SMEM:  # [2 stages, BM, 128 features]: 16-byte pieces, swizzled by row (conflict-free reads)
+            x_smem = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [2, BLOCK_M, 128],
+                                               gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0]))
+            cm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, XCP_L))
+            cf = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, XCP_L)), 0)
         u = u_lo
         while u < u_hi:
             tile = u // n_pairs
@@ -222,6 +273,10 @@ if gluon is not None:
             x_rows = gl.minimum(m0 + xm, M - 1).to(gl.int64)
             x_cols = x_ptr + (x_feat + gl.expand_dims(gl.expand_dims(x_rows * stride_xm, 0), 1))
             acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
+            if X_SMEM:
+                x_from = x_ptr + (gl.expand_dims(gl.minimum(m0 + cm, M - 1).to(gl.int64) * stride_xm, 1) + cf)
+                _cta_barrier()  # the last tile's reads of both stages are done
+                _copy_x(x_smem.index(0), x_from, p_begin * 128)
             w_now = gl.load(w_rows + p_begin * stride_wp)
             s_now = gl.load(s_rows + p_begin * stride_sp)
             if PREFETCH >= 2:
@@ -234,8 +289,17 @@ if gluon is not None:
                 ahead = gl.minimum(pair + PREFETCH, p_end - 1)  # in flight during this pair and the next ones
                 w_next = gl.load(w_rows + ahead * stride_wp)
                 s_next = gl.load(s_rows + ahead * stride_sp)
-                xa_now = _load_x(x_cols, x_feat, pair * 128, K, EVEN_K)
-                xb_now = _load_x(x_cols, x_feat, pair * 128 + 64, K, EVEN_K)
+                if X_SMEM:
+                    stage = (pair - p_begin) % 2
+                    _cta_barrier()  # every warp has read the stage the next copy overwrites
+                    _copy_x(x_smem.index(1 - stage), x_from, gl.minimum(pair + 1, p_end - 1) * 128)
+                    async_copy.wait_group(1)  # this pair's copy (the one before) has landed, for this thread
+                    _cta_barrier()  # ... and for every thread
+                    xa_now = _smem_x(x_smem.index(stage), 0, BLOCK_M, XS_L, ACT_L)
+                    xb_now = _smem_x(x_smem.index(stage), 64, BLOCK_M, XS_L, ACT_L)
+                else:
+                    xa_now = _load_x(x_cols, x_feat, pair * 128, K, EVEN_K)
+                    xb_now = _load_x(x_cols, x_feat, pair * 128 + 64, K, EVEN_K)
                 acc = _pair_mma(acc, w_now, s_now, xa_now, xb_now, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M)
                 if PREFETCH == 1:
                     w_now, s_now = w_next, s_next
@@ -243,6 +307,8 @@ if gluon is not None:
                     w_now, s_now, w_1, s_1 = w_1, s_1, w_next, s_next
                 else:
                     w_now, s_now, w_1, s_1, w_2, s_2 = w_1, s_1, w_2, s_2, w_next, s_next
+            if X_SMEM:
+                async_copy.wait_group(0)  # the loop's last (redundant) copy, before the next tile's
             rn = n0 + on
             rm = m0 + om
             y_ok = gl.expand_dims(rn < N, 1) & gl.expand_dims(rm < M, 0)
@@ -262,10 +328,23 @@ if gluon is not None:
                 arrived = gl.atomic_add(lock_ptr + tile, 1, sem="acq_rel")
                 if arrived == q_last - q_first:
                     total = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
-                    for q in range(q_first, q_last + 1):
-                        q_lo = (q * units // programs).to(gl.int32)
-                        q_slot = q * 2 + 1 - (q_lo // n_pairs == tile).to(gl.int64)
-                        total += gl.load(part_ptr + q_slot * (BLOCK_N * BLOCK_M) + part_at, cache_modifier=".cg")
+                    FIX: gl.constexpr = _fixup_width(BLOCK_N, BLOCK_M, NUM_WARPS)
+                    for q in range(q_first, q_last + 1, FIX):  # FIX parts' loads in flight at once, summed in order
+                        part_0 = _part_of(q, q_last, tile, units, programs, n_pairs, part_ptr, part_at, BLOCK_N * BLOCK_M)
+                        if FIX >= 2:
+                            part_1 = _part_of(q + 1, q_last, tile, units, programs, n_pairs, part_ptr, part_at,
+                                              BLOCK_N * BLOCK_M)
+                        if FIX >= 4:
+                            part_2 = _part_of(q + 2, q_last, tile, units, programs, n_pairs, part_ptr, part_at,
+                                              BLOCK_N * BLOCK_M)
+                            part_3 = _part_of(q + 3, q_last, tile, units, programs, n_pairs, part_ptr, part_at,
+                                              BLOCK_N * BLOCK_M)
+                        total += part_0
+                        if FIX >= 2:
+                            total += part_1
+                        if FIX >= 4:
+                            total += part_2
+                            total += part_3
                     gl.atomic_xchg(lock_ptr + tile, 0)
                     gl.store(y_at, (total * gl.expand_dims(g, 1)).to(y_ptr.dtype.element_ty), mask=y_ok)
             u += p_end - p_begin
@@ -279,16 +358,19 @@ def w4a16_mma_matmul(x2: torch.Tensor, weight: tw.W4A16Weight, y: torch.Tensor,
     n = weight.out_features
     t = tiles or default_tiles(m)
     if (t.block_m not in (8, 16, 32, 64) or t.block_n % (16 * t.num_warps) or t.num_warps not in (1, 2, 4, 8)
-            or t.prefetch not in (1, 2, 3)):
+            or t.prefetch not in (1, 2, 3) or (t.x_smem and 2 * t.num_warps > t.block_m)
+            or (t.split is not None and t.split < 0)):
         raise ValueError(f"w4a16_mma_matmul: {t} needs block_m in 8, 16, 32, 64, block_n a multiple of "
-                         f"16 x num_warps, num_warps in 1, 2, 4, 8 and prefetch 1, 2 or 3")
+                         f"16 x num_warps, num_warps in 1, 2, 4, 8 and prefetch 1, 2 or 3 (x_smem: block_m >= 2 x "
+                         f"num_warps; split None or >= 0)")
     n_pairs = weight.codes.shape[1]
     tiles_n, tiles_m = triton.cdiv(n, t.block_n), triton.cdiv(m, t.block_m)
     n_tiles = tiles_n * tiles_m
     units = n_tiles * n_pairs
     pair_l, scale_l, chunk_l, act_l = _layouts(t.block_n, t.block_m, t.num_warps)
+    xcp_l, xs_l = _x_smem_layouts(t.block_m, t.num_warps)
     meta = dict(BLOCK_N=t.block_n, BLOCK_M=t.block_m, NUM_WARPS=t.num_warps, FP16=x2.dtype == torch.float16,
-                EVEN_K=k % 128 == 0, PREFETCH=t.prefetch, PAIR_L=pair_l, SCALE_L=scale_l, CHUNK_L=chunk_l,
+                EVEN_K=k % 128 == 0, PREFETCH=t.prefetch, X_SMEM=t.x_smem and k % 128 == 0, XCP_L=xcp_l, XS_L=xs_l, PAIR_L=pair_l, SCALE_L=scale_l, CHUNK_L=chunk_l,
                 ACT_L=act_l,
                 num_warps=t.num_warps)
     codes, scales = weight.codes.view(torch.int32), weight.scales.view(torch.int16)  # [N, pair, 16 / 4]
@@ -297,13 +379,16 @@ def w4a16_mma_matmul(x2: torch.Tensor, weight: tw.W4A16Weight, y: torch.Tensor,
         return [x2, codes, scales, weight.row_scale, y, part, lock, m, n, k, n_pairs, tiles_n, units, programs,
                 x2.stride(0), codes.stride(0), codes.stride(1), scales.stride(0), scales.stride(1), y.stride(0)]
 
-    if n_tiles > tw._LOCKS:
+    if n_tiles > tw._LOCKS or t.split == 1:
         programs = n_tiles
+    elif t.split:  # S programs a tile: program t S + s takes pairs [s P / S, (s + 1) P / S) of tile t
+        programs = n_tiles * min(t.split, n_pairs)
     else:
         per_sm = t.programs_per_sm or tw._ctas_per_sm(
             _w4a16_mma_kernel, lambda: args(1, tw._no_parts(x2.device), tw._tile_locks(x2.device)),
             meta, x2.dtype, x2.device, variant=(t, meta["EVEN_K"]))
-        programs = min(units, num_sms(x2.device) * per_sm)
+        wave = num_sms(x2.device) * per_sm
+        programs = min(units, wave) if t.split is None else n_tiles * max(1, min(n_pairs, wave // n_tiles))
     streamed = programs != n_tiles
     part = (torch.empty((programs, 2, t.block_n, t.block_m), dtype=torch.float32, device=x2.device) if streamed
             else tw._no_parts(x2.device))
