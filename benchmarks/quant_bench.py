@@ -98,11 +98,9 @@ def sweep_tiles(m: int) -> list:
     if m <= g.MAX_M and g.available(torch.device(DEV)):  # the Gluon kernel's grid: stream-K, then split-K
         T = g.GluonTiles
         bm = 8 if m <= 8 else 16 if m <= 16 else 32
-        stream = ([T(128, bm, 4, None, 2), T(128, bm, 4, None, 2, True)] if bm < 32 else
-                  [T(64, 32, 2, None, 2), T(128, 32, 4, None, 2), T(64, 32, 2, None, 2, True)])
-        split = [T(bn, bm, w, None, pf, False, s) for bn, w in ((64, 4), (32, 2), (16, 1), (128, 4), (64, 2))
-                 for pf in (2, 3) for s in (0, 1)]
-        return stream + split
+        return [T(bn, bm, w, None, pf, xs, s) for bn, w in ((128, 4), (64, 4), (32, 2), (16, 1), (64, 2))
+                for pf in (1, 2, 3) for xs in (False, True) for s in (None, 0)
+                if not (xs and 2 * w > bm)]
     gluon = []  # x through shared memory lets the Gluon kernel take 64-row batch tiles without spilling
     if m <= 128 and g.available(torch.device(DEV)):
         gluon = [g.GluonTiles(64, 64, 2, None, 2, True), g.GluonTiles(128, 64, 4, None, 2, True),

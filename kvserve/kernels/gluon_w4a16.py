@@ -208,6 +208,32 @@ if gluon is not None:
         acc = _chunk_mma(acc, w0, s0, xa, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M)
         return _chunk_mma(acc, w1, s1, xb, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M)
 
+    @gluon.jit
+    def _load_w(w_rows, s_rows, pair, p_last, stride_wp, stride_sp):
+        """A pair's codes and scales (pair clamped to p_last: past the range, a harmless reload)."""
+        at = gl.minimum(pair, p_last)
+        return gl.load(w_rows + at * stride_wp), gl.load(s_rows + at * stride_sp)
+
+    @gluon.jit
+    def _pair_step(acc, w, s, pair, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K, EVEN_K: gl.constexpr,
+                   X_SMEM: gl.constexpr, FP16: gl.constexpr, A: gl.constexpr, B: gl.constexpr,
+                   CHUNK_L: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, XS_L: gl.constexpr,
+                   ACT_L: gl.constexpr):
+        """acc += pair ``pair`` (codes w, scales s already in registers), its x from global memory or,
+        with X_SMEM, from the stage copied a pair ago (the next pair's copy started here)."""
+        if X_SMEM:
+            stage = (pair - p_begin) % 2
+            _cta_barrier()  # every warp has read the stage the next copy overwrites
+            _copy_x(x_smem.index(1 - stage), x_from, gl.minimum(pair + 1, p_end - 1) * 128)
+            async_copy.wait_group(1)  # this pair's copy (the one before) has landed, for this thread
+            _cta_barrier()  # ... and for every thread
+            xa = _smem_x(x_smem.index(stage), 0, BLOCK_M, XS_L, ACT_L)
+            xb = _smem_x(x_smem.index(stage), 64, BLOCK_M, XS_L, ACT_L)
+        else:
+            xa = _load_x(x_cols, x_feat, pair * 128, K, EVEN_K)
+            xb = _load_x(x_cols, x_feat, pair * 128 + 64, K, EVEN_K)
+        return _pair_mma(acc, w, s, xa, xb, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M)
+
     @gluon.constexpr_function
     def _fixup_width(block_n, block_m, num_warps):
         """Parts the fix-up loads at once: 4, 2 or 1, so that they hold at most 32 fp32 registers a thread."""
@@ -260,6 +286,8 @@ if gluon is not None:
                                                gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0]))
             cm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, XCP_L))
             cf = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, XCP_L)), 0)
+        else:
+            x_smem = 0
         u = u_lo
         while u < u_hi:
             tile = u // n_pairs
@@ -273,40 +301,51 @@ if gluon is not None:
             x_rows = gl.minimum(m0 + xm, M - 1).to(gl.int64)
             x_cols = x_ptr + (x_feat + gl.expand_dims(gl.expand_dims(x_rows * stride_xm, 0), 1))
             acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
+            x_from = 0
             if X_SMEM:
                 x_from = x_ptr + (gl.expand_dims(gl.minimum(m0 + cm, M - 1).to(gl.int64) * stride_xm, 1) + cf)
                 _cta_barrier()  # the last tile's reads of both stages are done
                 _copy_x(x_smem.index(0), x_from, p_begin * 128)
-            w_now = gl.load(w_rows + p_begin * stride_wp)
-            s_now = gl.load(s_rows + p_begin * stride_sp)
-            if PREFETCH >= 2:
-                w_1 = gl.load(w_rows + gl.minimum(p_begin + 1, p_end - 1) * stride_wp)
-                s_1 = gl.load(s_rows + gl.minimum(p_begin + 1, p_end - 1) * stride_sp)
-            if PREFETCH >= 3:
-                w_2 = gl.load(w_rows + gl.minimum(p_begin + 2, p_end - 1) * stride_wp)
-                s_2 = gl.load(s_rows + gl.minimum(p_begin + 2, p_end - 1) * stride_sp)
-            for pair in range(p_begin, p_end):
-                ahead = gl.minimum(pair + PREFETCH, p_end - 1)  # in flight during this pair and the next ones
-                w_next = gl.load(w_rows + ahead * stride_wp)
-                s_next = gl.load(s_rows + ahead * stride_sp)
-                if X_SMEM:
-                    stage = (pair - p_begin) % 2
-                    _cta_barrier()  # every warp has read the stage the next copy overwrites
-                    _copy_x(x_smem.index(1 - stage), x_from, gl.minimum(pair + 1, p_end - 1) * 128)
-                    async_copy.wait_group(1)  # this pair's copy (the one before) has landed, for this thread
-                    _cta_barrier()  # ... and for every thread
-                    xa_now = _smem_x(x_smem.index(stage), 0, BLOCK_M, XS_L, ACT_L)
-                    xb_now = _smem_x(x_smem.index(stage), 64, BLOCK_M, XS_L, ACT_L)
-                else:
-                    xa_now = _load_x(x_cols, x_feat, pair * 128, K, EVEN_K)
-                    xb_now = _load_x(x_cols, x_feat, pair * 128 + 64, K, EVEN_K)
-                acc = _pair_mma(acc, w_now, s_now, xa_now, xb_now, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M)
-                if PREFETCH == 1:
-                    w_now, s_now = w_next, s_next
-                elif PREFETCH == 2:
-                    w_now, s_now, w_1, s_1 = w_1, s_1, w_next, s_next
-                else:
-                    w_now, s_now, w_1, s_1, w_2, s_2 = w_1, s_1, w_2, s_2, w_next, s_next
+            # PREFETCH + 1 register buffers, each refilled with the pair PREFETCH + 1 ahead right after
+            # its pair is multiplied, so PREFETCH pairs stay in flight. The loop body takes one pair a
+            # buffer: a buffer never moves to other registers (a register copy of a load's target waits
+            # for the load, which would end the prefetch at the loop's back edge).
+            D: gl.constexpr = PREFETCH + 1
+            p_last = p_end - 1
+            w0, s0 = _load_w(w_rows, s_rows, p_begin, p_last, stride_wp, stride_sp)
+            w1, s1 = _load_w(w_rows, s_rows, p_begin + 1, p_last, stride_wp, stride_sp)
+            if D >= 3:
+                w2, s2 = _load_w(w_rows, s_rows, p_begin + 2, p_last, stride_wp, stride_sp)
+            if D >= 4:
+                w3, s3 = _load_w(w_rows, s_rows, p_begin + 3, p_last, stride_wp, stride_sp)
+            pair = p_begin
+            for _ in range((p_end - p_begin) // D):
+                acc = _pair_step(acc, w0, s0, pair, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K, EVEN_K,
+                                 X_SMEM, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L, ACT_L)
+                w0, s0 = _load_w(w_rows, s_rows, pair + D, p_last, stride_wp, stride_sp)
+                acc = _pair_step(acc, w1, s1, pair + 1, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K, EVEN_K,
+                                 X_SMEM, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L, ACT_L)
+                w1, s1 = _load_w(w_rows, s_rows, pair + 1 + D, p_last, stride_wp, stride_sp)
+                if D >= 3:
+                    acc = _pair_step(acc, w2, s2, pair + 2, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K,
+                                     EVEN_K, X_SMEM, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L, ACT_L)
+                    w2, s2 = _load_w(w_rows, s_rows, pair + 2 + D, p_last, stride_wp, stride_sp)
+                if D >= 4:
+                    acc = _pair_step(acc, w3, s3, pair + 3, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K,
+                                     EVEN_K, X_SMEM, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L, ACT_L)
+                    w3, s3 = _load_w(w_rows, s_rows, pair + 3 + D, p_last, stride_wp, stride_sp)
+                pair += D
+            if pair < p_end:  # the last (p_end - p_begin) % D pairs, already loaded
+                acc = _pair_step(acc, w0, s0, pair, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K, EVEN_K,
+                                 X_SMEM, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L, ACT_L)
+            if D >= 3:
+                if pair + 1 < p_end:
+                    acc = _pair_step(acc, w1, s1, pair + 1, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K,
+                                     EVEN_K, X_SMEM, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L, ACT_L)
+            if D >= 4:
+                if pair + 2 < p_end:
+                    acc = _pair_step(acc, w2, s2, pair + 2, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K,
+                                     EVEN_K, X_SMEM, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L, ACT_L)
             if X_SMEM:
                 async_copy.wait_group(0)  # the loop's last (redundant) copy, before the next tile's
             rn = n0 + on
