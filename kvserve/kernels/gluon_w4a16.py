@@ -72,6 +72,7 @@ class GluonTiles:
     prefetch: int = 1  # pairs of chunks whose weights are loaded ahead of the one multiplied (1-3)
     x_smem: bool = False  # x through shared memory (cp.async a pair ahead, one copy for all warps; K % 128 == 0)
     split: int | None = None
+    two_acc: bool = False  # odd register buffers add into a second accumulator (two MMA chains a warp)
 
 
 def default_tiles(m: int) -> GluonTiles:
@@ -256,7 +257,7 @@ if gluon is not None:
         M, N, K, n_pairs, tiles_n, units, programs,
         stride_xm, stride_wn, stride_wp, stride_sn, stride_sp, stride_ym,
         BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, NUM_WARPS: gl.constexpr, FP16: gl.constexpr,
-        EVEN_K: gl.constexpr, PREFETCH: gl.constexpr, X_SMEM: gl.constexpr, PAIR_L: gl.constexpr, SCALE_L: gl.constexpr,
+        EVEN_K: gl.constexpr, PREFETCH: gl.constexpr, X_SMEM: gl.constexpr, TWO_ACC: gl.constexpr, PAIR_L: gl.constexpr, SCALE_L: gl.constexpr,
         CHUNK_L: gl.constexpr,
         ACT_L: gl.constexpr, XCP_L: gl.constexpr, XS_L: gl.constexpr,
     ):
@@ -301,6 +302,8 @@ if gluon is not None:
             x_rows = gl.minimum(m0 + xm, M - 1).to(gl.int64)
             x_cols = x_ptr + (x_feat + gl.expand_dims(gl.expand_dims(x_rows * stride_xm, 0), 1))
             acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
+            if TWO_ACC:  # buffers 1 and 3 add into a second accumulator: two independent MMA chains
+                acc_b = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
             x_from = 0
             if X_SMEM:
                 x_from = x_ptr + (gl.expand_dims(gl.minimum(m0 + cm, M - 1).to(gl.int64) * stride_xm, 1) + cf)
@@ -323,16 +326,24 @@ if gluon is not None:
                 acc = _pair_step(acc, w0, s0, pair, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K, EVEN_K,
                                  X_SMEM, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L, ACT_L)
                 w0, s0 = _load_w(w_rows, s_rows, pair + D, p_last, stride_wp, stride_sp)
-                acc = _pair_step(acc, w1, s1, pair + 1, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K, EVEN_K,
-                                 X_SMEM, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L, ACT_L)
+                if TWO_ACC:
+                    acc_b = _pair_step(acc_b, w1, s1, pair + 1, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K, EVEN_K,
+                                     X_SMEM, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L, ACT_L)
+                else:
+                    acc = _pair_step(acc, w1, s1, pair + 1, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K, EVEN_K,
+                                     X_SMEM, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L, ACT_L)
                 w1, s1 = _load_w(w_rows, s_rows, pair + 1 + D, p_last, stride_wp, stride_sp)
                 if D >= 3:
                     acc = _pair_step(acc, w2, s2, pair + 2, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K,
                                      EVEN_K, X_SMEM, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L, ACT_L)
                     w2, s2 = _load_w(w_rows, s_rows, pair + 2 + D, p_last, stride_wp, stride_sp)
                 if D >= 4:
-                    acc = _pair_step(acc, w3, s3, pair + 3, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K,
-                                     EVEN_K, X_SMEM, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L, ACT_L)
+                    if TWO_ACC:
+                        acc_b = _pair_step(acc_b, w3, s3, pair + 3, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K,
+                                         EVEN_K, X_SMEM, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L, ACT_L)
+                    else:
+                        acc = _pair_step(acc, w3, s3, pair + 3, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K,
+                                         EVEN_K, X_SMEM, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L, ACT_L)
                     w3, s3 = _load_w(w_rows, s_rows, pair + 3 + D, p_last, stride_wp, stride_sp)
                 pair += D
             if pair < p_end:  # the last (p_end - p_begin) % D pairs, already loaded
@@ -340,12 +351,18 @@ if gluon is not None:
                                  X_SMEM, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L, ACT_L)
             if D >= 3:
                 if pair + 1 < p_end:
-                    acc = _pair_step(acc, w1, s1, pair + 1, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K,
-                                     EVEN_K, X_SMEM, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L, ACT_L)
+                    if TWO_ACC:
+                        acc_b = _pair_step(acc_b, w1, s1, pair + 1, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K,
+                                         EVEN_K, X_SMEM, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L, ACT_L)
+                    else:
+                        acc = _pair_step(acc, w1, s1, pair + 1, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K,
+                                         EVEN_K, X_SMEM, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L, ACT_L)
             if D >= 4:
                 if pair + 2 < p_end:
                     acc = _pair_step(acc, w2, s2, pair + 2, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K,
                                      EVEN_K, X_SMEM, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L, ACT_L)
+            if TWO_ACC:
+                acc = acc + acc_b
             if X_SMEM:
                 async_copy.wait_group(0)  # the loop's last (redundant) copy, before the next tile's
             rn = n0 + on
@@ -409,7 +426,7 @@ def w4a16_mma_matmul(x2: torch.Tensor, weight: tw.W4A16Weight, y: torch.Tensor,
     pair_l, scale_l, chunk_l, act_l = _layouts(t.block_n, t.block_m, t.num_warps)
     xcp_l, xs_l = _x_smem_layouts(t.block_m, t.num_warps)
     meta = dict(BLOCK_N=t.block_n, BLOCK_M=t.block_m, NUM_WARPS=t.num_warps, FP16=x2.dtype == torch.float16,
-                EVEN_K=k % 128 == 0, PREFETCH=t.prefetch, X_SMEM=t.x_smem and k % 128 == 0, XCP_L=xcp_l, XS_L=xs_l, PAIR_L=pair_l, SCALE_L=scale_l, CHUNK_L=chunk_l,
+                EVEN_K=k % 128 == 0, PREFETCH=t.prefetch, X_SMEM=t.x_smem and k % 128 == 0, TWO_ACC=t.two_acc, XCP_L=xcp_l, XS_L=xs_l, PAIR_L=pair_l, SCALE_L=scale_l, CHUNK_L=chunk_l,
                 ACT_L=act_l,
                 num_warps=t.num_warps)
     codes, scales = weight.codes.view(torch.int32), weight.scales.view(torch.int16)  # [N, pair, 16 / 4]
