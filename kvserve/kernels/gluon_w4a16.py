@@ -3,12 +3,17 @@
 
 The Triton kernel (``triton_w4a16``) stages W through shared memory: the compiler copies each chunk
 there (cp.async) and reads it back in the MMA's register layout, and x goes to shared memory and
-back twice, with a barrier a chunk. Gluon states the layouts, so here nothing touches shared
-memory: each thread loads, with 16-byte loads, exactly the code words and activations its
-``mma.sync`` fragments need, decodes them in registers (the same PTX as the Triton kernel) and
-multiplies. The weights of the pair ``GluonTiles.prefetch`` (1-3) pairs ahead are loaded before the
-current one is decoded (a register prefetch), so each warp keeps its loads in flight while it
-computes.
+back twice, with a barrier a chunk. Gluon states the layouts, so here the weights never touch
+shared memory: each thread loads, with 16-byte loads, exactly the code words its ``mma.sync``
+fragments need, decodes them in registers (the same PTX as the Triton kernel) and multiplies. Its
+activations come from global memory the same way, or (``GluonTiles.x_smem``) from a shared copy of
+x made by cp.async a pair ahead, one for all warps.
+
+**Register prefetch**: ``GluonTiles.prefetch`` + 1 register buffers; a buffer is refilled with the
+pair ``prefetch`` + 1 ahead right after its pair is multiplied, and the loop body takes one pair a
+buffer, so no buffer is ever copied to other registers. (The rotation ``now, next = next, load()``
+compiled to register copies at the back edge, and a copy of a load's target waits for the load: on
+the H200 every pair waited for its successor's weights, ~1 us a pair, whatever the depth.)
 
 **Why the layout fits** (``triton_w4a16`` module docstring has the word format): the A fragment of
 an m16n8k16 MMA gives thread ``q = lane % 4`` the columns ``2q, 2q + 1, 2q + 8, 2q + 9`` of its two
@@ -20,7 +25,9 @@ the features: column ``8h + 2q + e`` of step j is feature ``16q + 4j + 2h + e``,
 so the product is the same sum.
 
 **Schedule**: stream-K as the Triton kernel (its docstring): the (tile, pair) units are split
-evenly over one wave of programs, partial tiles summed in program order by the tile's last program.
+evenly over one wave of programs, partial tiles summed in program order by the tile's last program
+(four, two or one parts loaded at once). Or split-K (``GluonTiles.split``): S programs a tile, none
+crossing a tile, the same fix-up over S parts.
 
 CUDA only (``mma.sync`` needs sm_80; the inline PTX is the Triton kernel's). No interpreter: the
 Triton kernel is this kernel's CPU counterpart, and tests/test_gluon_w4a16.py holds this one to the
@@ -77,13 +84,15 @@ class GluonTiles:
 
 def default_tiles(m: int) -> GluonTiles:
     """The launch tiles for ``m`` batch rows: the accumulator as narrow as the batch allows, with
-    the output rows, warps and prefetch depth of the fastest tiles over the 27B's three MLP shapes in
-    the H200 sweep (benchmarks/RESULTS.md)."""
+    the output rows, warps, prefetch depth, x staging and K split of the fastest tiles over the 27B's
+    three MLP shapes together in the H200 sweep of dceef97 (benchmarks/RESULTS.md): up to batch 8
+    64 rows x 4 warps, three pairs in flight, split-K filling one wave; at 16, 128 x 4 warps, one pair
+    in flight, x through shared memory, stream-K; at 32 the same with two pairs in flight."""
     if m <= 8:
-        return GluonTiles(128, 8, 4, prefetch=2)
+        return GluonTiles(64, 8, 4, prefetch=3, split=0)
     if m <= 16:
-        return GluonTiles(128, 16, 4, prefetch=2)
-    return GluonTiles(64, 32, 2, prefetch=2) if m <= 32 else GluonTiles(64, 64, 2)
+        return GluonTiles(128, 16, 4, prefetch=1, x_smem=True)
+    return GluonTiles(128, 32, 4, prefetch=2, x_smem=True) if m <= 32 else GluonTiles(64, 64, 2, x_smem=True)
 
 
 def _bits(n: int) -> list[int]:
