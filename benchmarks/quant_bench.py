@@ -97,7 +97,7 @@ def sweep_tiles(m: int) -> list:
 
     if m <= g.MAX_M and g.available(torch.device(DEV)):  # the Gluon kernel's grid: stream-K, then split-K
         T = g.GluonTiles
-        bm = 8 if m <= 8 else 16 if m <= 16 else 32
+        bm = 8 if m <= 8 else 16 if m <= 16 else 32 if m <= 32 else 64
         return [T(bn, bm, w, None, pf, xs, s, two) for bn, w in ((64, 4), (32, 2), (16, 1), (64, 2), (128, 4))
                 for pf in (1, 3, 2) for xs in (False, True) for s in (None, 0) for two in (False, True)
                 if not (xs and 2 * w > bm)]

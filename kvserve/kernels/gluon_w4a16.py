@@ -54,7 +54,7 @@ try:  # (triton >= 3.4)
 except (ImportError, AttributeError):  # pragma: no cover (a triton without Gluon, or another Gluon API)
     gluon = gl = async_copy = mma_v2 = _cta_barrier = _cp_async = None
 
-MAX_M = 32  # batch rows w4a16_linear gives this kernel (H200: the Triton kernel is faster from 64)
+MAX_M = 64  # batch rows w4a16_linear gives this kernel (H200, a3b7df4: 1.00-1.02x cuBLAS at 64, the Triton kernel 0.72x)
 
 
 @functools.lru_cache(maxsize=None)
@@ -87,12 +87,13 @@ def default_tiles(m: int) -> GluonTiles:
     the output rows, warps, prefetch depth, x staging and K split of the fastest tiles over the 27B's
     three MLP shapes together in the H200 sweep of dceef97 (benchmarks/RESULTS.md): up to batch 8
     64 rows x 4 warps, three pairs in flight, split-K filling one wave; at 16, 128 x 4 warps, one pair
-    in flight, x through shared memory, stream-K; at 32 the same with two pairs in flight."""
+    in flight, x through shared memory, stream-K; at 32 the same with two pairs in flight; at 64
+    64 x 4 warps, two in flight, x through shared memory (the batch-64 sweep of a3b7df4)."""
     if m <= 8:
         return GluonTiles(64, 8, 4, prefetch=3, split=0)
     if m <= 16:
         return GluonTiles(128, 16, 4, prefetch=1, x_smem=True)
-    return GluonTiles(128, 32, 4, prefetch=2, x_smem=True) if m <= 32 else GluonTiles(64, 64, 2, x_smem=True)
+    return GluonTiles(128, 32, 4, prefetch=2, x_smem=True) if m <= 32 else GluonTiles(64, 64, 4, prefetch=2, x_smem=True)
 
 
 def _bits(n: int) -> list[int]:
