@@ -98,8 +98,9 @@ def sweep_tiles(m: int) -> list:
     if m <= g.MAX_M and g.available(torch.device(DEV)):  # the Gluon kernel's grid: stream-K, then split-K
         T = g.GluonTiles
         bm = 8 if m <= 8 else 16 if m <= 16 else 32 if m <= 32 else 64
-        return [g.default_tiles(m)] + [T(bn, bm, w, None, pf, False, s, True) for bn, w in ((16, 1), (32, 2), (64, 4))
-                                       for pf in (3, 2, 1) for s in (0, None)]
+        return [g.default_tiles(m)] + [T(bn, bm, w, None, pf, xs, s) for bn, w in ((64, 4), (16, 1), (32, 2), (128, 4))
+                                       for pf in (1, 2, 3) for xs in (True, False) for s in (None, 0)
+                                       if not (xs and 2 * w > bm)]
     gluon = []  # x through shared memory lets the Gluon kernel take 64-row batch tiles without spilling
     if m <= 128 and g.available(torch.device(DEV)):
         gluon = [g.GluonTiles(64, 64, 2, None, 2, True), g.GluonTiles(128, 64, 4, None, 2, True),

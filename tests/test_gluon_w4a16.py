@@ -37,28 +37,27 @@ def test_gluon_w4a16_against_float64(dtype, shape):
 
 
 @gpu
-@pytest.mark.parametrize("tiles", [(64, 8, 4, 1, 1, False, None, False), (128, 16, 4, 2, 2, True, None, False),
-                                   (256, 8, 8, None, 3, False, None, True), (32, 32, 2, 3, 1, True, None, False),
-                                   (64, 64, 4, 1, 2, True, None, False), (16, 8, 1, 5, 3, True, None, False),
-                                   (64, 8, 4, None, 2, False, 0, True), (16, 8, 1, None, 3, False, 3, True),
-                                   (32, 16, 2, None, 2, False, 1, False), (16, 32, 1, None, 2, False, 40, True),
-                                   (64, 8, 4, None, 1, False, 0, True)],
+@pytest.mark.parametrize("tiles", [(64, 8, 4, 1, 1, False, None), (128, 16, 4, 2, 2, True, None),
+                                   (256, 8, 8, None, 3, False, None), (32, 32, 2, 3, 1, True, None),
+                                   (64, 64, 4, 1, 2, True, None), (16, 8, 1, 5, 3, True, None),
+                                   (64, 8, 4, None, 2, False, 0), (16, 8, 1, None, 3, False, 3),
+                                   (32, 16, 2, None, 2, False, 1), (16, 32, 1, None, 2, False, 40),
+                                   (64, 8, 4, None, 1, False, 0)],
                          ids=lambda t: "x".join(map(str, t)))
 def test_gluon_w4a16_tiles_and_stream_k(tiles):
-    """Every batch tile, warp count and prefetch depth, x from global or shared memory, the weights'
-    prefetch in registers or shared memory, one to five
+    """Every batch tile, warp count and prefetch depth, x from global or shared memory, one to five
     programs an SM (stream-K: parts summed across programs) or S programs a tile (split-K: 1, 3, as
     many as fill a wave, more than the tile's 10 pairs): within the bound, the same bits on a second
     call, the tile counters back at zero."""
     from kvserve.kernels import gluon_w4a16 as g
     from kvserve.kernels import triton_w4a16 as tw
 
-    bn, bm, nw, per_sm, prefetch, x_smem, split, w_smem = tiles
+    bn, bm, nw, per_sm, prefetch, x_smem, split = tiles
     m, n, k = 2 * bm - 3, 3 * bn + 5, 1152 + (0 if x_smem else 64)  # (x_smem: K a multiple of 128)
     (packed, block_scale, s2), gen = _quantized(n, k, bn + bm + nw)
     x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
     wt = tw.pack_w4a16(packed.cuda(), block_scale.cuda(), s2.cuda())
-    t = g.GluonTiles(bn, bm, nw, per_sm, prefetch, x_smem, split, w_smem)
+    t = g.GluonTiles(bn, bm, nw, per_sm, prefetch, x_smem, split)
     y = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
     g.w4a16_mma_matmul(x.cuda(), wt, y, t)
     assert _bound_ok(y.cpu(), x, _exact(packed, block_scale, s2))
@@ -69,8 +68,6 @@ def test_gluon_w4a16_tiles_and_stream_k(tiles):
         g.w4a16_mma_matmul(x.cuda(), wt, y, g.GluonTiles(bn, 24, nw))
     with pytest.raises(ValueError, match="prefetch 1, 2 or 3"):
         g.w4a16_mma_matmul(x.cuda(), wt, y, g.GluonTiles(bn, bm, nw, prefetch=4))
-    with pytest.raises(ValueError, match="not both w_smem and x_smem"):
-        g.w4a16_mma_matmul(x.cuda(), wt, y, g.GluonTiles(bn, 16, nw, x_smem=True, w_smem=True))
     with pytest.raises(ValueError, match="split None or >= 0"):
         g.w4a16_mma_matmul(x.cuda(), wt, y, g.GluonTiles(bn, bm, nw, split=-1))
 
@@ -125,7 +122,6 @@ sig = {"x_ptr": f"*{ty}", "w_ptr": "*i32", "s_ptr": "*i16", "g_ptr": "*fp32", "y
 pair, scales, chunk, acts = g._layouts(bn, bm, nw)
 xcp, xs = g._x_smem_layouts(bm, nw)
 consts = dict(BLOCK_N=bn, BLOCK_M=bm, NUM_WARPS=nw, FP16=fp16, EVEN_K=even_k, PREFETCH=prefetch, X_SMEM=x_smem,
-              W_SMEM=False,
               PAIR_L=pair, SCALE_L=scales, CHUNK_L=chunk, ACT_L=acts, XCP_L=xcp, XS_L=xs)
 aligned = ("x_ptr", "w_ptr", "s_ptr", "g_ptr", "y_ptr", "part_ptr", "lock_ptr", "stride_xm", "stride_wn", "stride_wp",
            "stride_ym")  # as the launcher specializes them (16-byte aligned tensors, strides multiples of 16)

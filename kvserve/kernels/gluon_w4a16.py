@@ -54,7 +54,7 @@ try:  # (triton >= 3.4)
 except (ImportError, AttributeError):  # pragma: no cover (a triton without Gluon, or another Gluon API)
     gluon = gl = async_copy = mma_v2 = _cta_barrier = _cp_async = None
 
-MAX_M = 64  # batch rows w4a16_linear gives this kernel (H200, a3b7df4: 1.00-1.02x cuBLAS at 64, the Triton kernel 0.72x)
+MAX_M = 64  # batch rows w4a16_linear gives this kernel (H200 at 64: 1.03-1.09x cuBLAS, the Triton kernel 0.72-0.83x)
 
 
 @functools.lru_cache(maxsize=None)
@@ -79,7 +79,6 @@ class GluonTiles:
     prefetch: int = 1  # pairs of chunks whose weights are loaded ahead of the one multiplied (1-3)
     x_smem: bool = False  # x through shared memory (cp.async a pair ahead, one copy for all warps; K % 128 == 0)
     split: int | None = None
-    w_smem: bool = False  # the weights' prefetch through shared memory (cp.async; not with x_smem)
 
 
 def default_tiles(m: int) -> GluonTiles:
@@ -93,7 +92,9 @@ def default_tiles(m: int) -> GluonTiles:
         return GluonTiles(64, 8, 4, prefetch=3, split=0)
     if m <= 16:
         return GluonTiles(128, 16, 4, prefetch=1, x_smem=True)
-    return GluonTiles(128, 32, 4, prefetch=2, x_smem=True) if m <= 32 else GluonTiles(64, 64, 4, prefetch=2, x_smem=True)
+    if m <= 32:
+        return GluonTiles(128, 32, 4, prefetch=2, x_smem=True)
+    return GluonTiles(64, 64, 4, prefetch=2, x_smem=True)
 
 
 def _bits(n: int) -> list[int]:
@@ -245,29 +246,6 @@ if gluon is not None:
             xb = _load_x(x_cols, x_feat, pair * 128 + 64, K, EVEN_K)
         return _pair_mma(acc, w, s, xa, xb, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M)
 
-    @gluon.jit
-    def _copy_w(w_st, s_st, w_rows, s_at, pair, p_last, stride_wp, stride_sp):
-        """cp.async a pair's codes (16 bytes a thread) and scale words (the 4 bytes holding the thread's
-        2, so each thread reads back only what it copied) into one stage, as one group."""
-        at = gl.minimum(pair, p_last)
-        _cp_async(w_st, w_rows + at * stride_wp)
-        _cp_async(s_st, (s_at + at * stride_sp).to(gl.pointer_type(gl.int32), bitcast=True))
-        async_copy.commit_group()
-
-    @gluon.jit
-    def _staged_step(acc, w_st, s_st, s_shift, PENDING: gl.constexpr, pair, p_begin, p_end, x_cols, x_feat, K,
-                     EVEN_K: gl.constexpr, FP16: gl.constexpr, A: gl.constexpr, B: gl.constexpr,
-                     CHUNK_L: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, PAIR_L: gl.constexpr,
-                     SCALE_L: gl.constexpr):
-        """acc += the pair in a stage, once at most PENDING of this thread's copy groups are in flight
-        (the stage's own copy has landed; no barrier: the thread reads only its own copies)."""
-        async_copy.wait_group(PENDING)
-        w = w_st.load(PAIR_L)
-        s = (s_st.load(SCALE_L) >> s_shift) & 0xFFFF
-        xa = _load_x(x_cols, x_feat, pair * 128, K, EVEN_K)
-        xb = _load_x(x_cols, x_feat, pair * 128 + 64, K, EVEN_K)
-        return _pair_mma(acc, w, s, xa, xb, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M)
-
     @gluon.constexpr_function
     def _fixup_width(block_n, block_m, num_warps):
         """Parts the fix-up loads at once: 4, 2 or 1, so that they hold at most 32 fp32 registers a thread."""
@@ -290,7 +268,7 @@ if gluon is not None:
         M, N, K, n_pairs, tiles_n, units, programs,
         stride_xm, stride_wn, stride_wp, stride_sn, stride_sp, stride_ym,
         BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, NUM_WARPS: gl.constexpr, FP16: gl.constexpr,
-        EVEN_K: gl.constexpr, PREFETCH: gl.constexpr, X_SMEM: gl.constexpr, W_SMEM: gl.constexpr, PAIR_L: gl.constexpr, SCALE_L: gl.constexpr,
+        EVEN_K: gl.constexpr, PREFETCH: gl.constexpr, X_SMEM: gl.constexpr, PAIR_L: gl.constexpr, SCALE_L: gl.constexpr,
         CHUNK_L: gl.constexpr,
         ACT_L: gl.constexpr, XCP_L: gl.constexpr, XS_L: gl.constexpr,
     ):
@@ -322,12 +300,6 @@ if gluon is not None:
             cf = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, XCP_L)), 0)
         else:
             x_smem = 0
-        if W_SMEM:  # PREFETCH + 1 stages of a pair's codes [BN, 4 q, 4 words] and scale words [BN, 4 q]
-            w_st = gl.allocate_shared_memory(gl.int32, [PREFETCH + 1, BLOCK_N, 4, 4],
-                                             gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0]))
-            s_st = gl.allocate_shared_memory(gl.int32, [PREFETCH + 1, BLOCK_N, 4],
-                                             gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
-            s_shift = sq % 2 * 16  # thread q's two scale bytes in the 4-byte word it copies
         u = u_lo
         while u < u_hi:
             tile = u // n_pairs
@@ -346,67 +318,47 @@ if gluon is not None:
                 x_from = x_ptr + (gl.expand_dims(gl.minimum(m0 + cm, M - 1).to(gl.int64) * stride_xm, 1) + cf)
                 _cta_barrier()  # the last tile's reads of both stages are done
                 _copy_x(x_smem.index(0), x_from, p_begin * 128)
-            # PREFETCH + 1 buffers of weights (registers, or with W_SMEM shared-memory stages that only
-            # the thread that copied a word reads), each refilled with the pair PREFETCH + 1 ahead right
-            # after its pair is multiplied, so PREFETCH pairs stay in flight. The loop body takes one
-            # pair a buffer: a register buffer is never copied to other registers (a register copy of a
-            # load's target waits for the load, which would end the prefetch at the loop's back edge).
+            # PREFETCH + 1 register buffers, each refilled with the pair PREFETCH + 1 ahead right after
+            # its pair is multiplied, so PREFETCH pairs stay in flight. The loop body takes one pair a
+            # buffer: a buffer never moves to other registers (a register copy of a load's target waits
+            # for the load, which would end the prefetch at the loop's back edge).
             D: gl.constexpr = PREFETCH + 1
             p_last = p_end - 1
             blocks = (p_end - p_begin) // D
             pair = p_begin
-            if W_SMEM:
-                s_at = s_ptr + (gl.expand_dims(gl.minimum(n0 + sn, N - 1).to(gl.int64) * stride_sn, 1) + sq // 2 * 2)
-                for j in gl.static_range(D):
-                    _copy_w(w_st.index(j), s_st.index(j), w_rows, s_at, p_begin + j, p_last, stride_wp, stride_sp)
-                for _ in range(blocks):
-                    for j in gl.static_range(D):
-                        acc = _staged_step(acc, w_st.index(j), s_st.index(j), s_shift, D - 1, pair + j, p_begin, p_end,
-                                           x_cols, x_feat, K, EVEN_K, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, PAIR_L,
-                                           SCALE_L)
-                        _copy_w(w_st.index(j), s_st.index(j), w_rows, s_at, pair + j + D, p_last, stride_wp,
-                                stride_sp)
-                    pair += D
-                for j in gl.static_range(D - 1):  # the last (p_end - p_begin) % D pairs, already copied
-                    if pair + j < p_end:
-                        acc = _staged_step(acc, w_st.index(j), s_st.index(j), s_shift, D - 1 - j, pair + j, p_begin,
-                                           p_end, x_cols, x_feat, K, EVEN_K, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M,
-                                           PAIR_L, SCALE_L)
-                async_copy.wait_group(0)  # no copy lands in a stage after the next tile's copies start
-            else:
-                w0, s0 = _load_w(w_rows, s_rows, p_begin, p_last, stride_wp, stride_sp)
-                w1, s1 = _load_w(w_rows, s_rows, p_begin + 1, p_last, stride_wp, stride_sp)
+            w0, s0 = _load_w(w_rows, s_rows, p_begin, p_last, stride_wp, stride_sp)
+            w1, s1 = _load_w(w_rows, s_rows, p_begin + 1, p_last, stride_wp, stride_sp)
+            if D >= 3:
+                w2, s2 = _load_w(w_rows, s_rows, p_begin + 2, p_last, stride_wp, stride_sp)
+            if D >= 4:
+                w3, s3 = _load_w(w_rows, s_rows, p_begin + 3, p_last, stride_wp, stride_sp)
+            for _ in range(blocks):
+                acc = _pair_step(acc, w0, s0, pair, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K, EVEN_K,
+                                 X_SMEM, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L, ACT_L)
+                w0, s0 = _load_w(w_rows, s_rows, pair + D, p_last, stride_wp, stride_sp)
+                acc = _pair_step(acc, w1, s1, pair + 1, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K, EVEN_K,
+                                 X_SMEM, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L, ACT_L)
+                w1, s1 = _load_w(w_rows, s_rows, pair + 1 + D, p_last, stride_wp, stride_sp)
                 if D >= 3:
-                    w2, s2 = _load_w(w_rows, s_rows, p_begin + 2, p_last, stride_wp, stride_sp)
+                    acc = _pair_step(acc, w2, s2, pair + 2, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K,
+                                     EVEN_K, X_SMEM, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L, ACT_L)
+                    w2, s2 = _load_w(w_rows, s_rows, pair + 2 + D, p_last, stride_wp, stride_sp)
                 if D >= 4:
-                    w3, s3 = _load_w(w_rows, s_rows, p_begin + 3, p_last, stride_wp, stride_sp)
-                for _ in range(blocks):
-                    acc = _pair_step(acc, w0, s0, pair, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K, EVEN_K,
-                                     X_SMEM, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L, ACT_L)
-                    w0, s0 = _load_w(w_rows, s_rows, pair + D, p_last, stride_wp, stride_sp)
-                    acc = _pair_step(acc, w1, s1, pair + 1, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K, EVEN_K,
-                                     X_SMEM, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L, ACT_L)
-                    w1, s1 = _load_w(w_rows, s_rows, pair + 1 + D, p_last, stride_wp, stride_sp)
-                    if D >= 3:
-                        acc = _pair_step(acc, w2, s2, pair + 2, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K,
-                                         EVEN_K, X_SMEM, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L, ACT_L)
-                        w2, s2 = _load_w(w_rows, s_rows, pair + 2 + D, p_last, stride_wp, stride_sp)
-                    if D >= 4:
-                        acc = _pair_step(acc, w3, s3, pair + 3, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K,
-                                         EVEN_K, X_SMEM, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L, ACT_L)
-                        w3, s3 = _load_w(w_rows, s_rows, pair + 3 + D, p_last, stride_wp, stride_sp)
-                    pair += D
-                if pair < p_end:  # the last (p_end - p_begin) % D pairs, already loaded
-                    acc = _pair_step(acc, w0, s0, pair, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K, EVEN_K,
-                                     X_SMEM, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L, ACT_L)
-                if D >= 3:
-                    if pair + 1 < p_end:
-                        acc = _pair_step(acc, w1, s1, pair + 1, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K,
-                                         EVEN_K, X_SMEM, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L, ACT_L)
-                if D >= 4:
-                    if pair + 2 < p_end:
-                        acc = _pair_step(acc, w2, s2, pair + 2, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K,
-                                         EVEN_K, X_SMEM, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L, ACT_L)
+                    acc = _pair_step(acc, w3, s3, pair + 3, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K,
+                                     EVEN_K, X_SMEM, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L, ACT_L)
+                    w3, s3 = _load_w(w_rows, s_rows, pair + 3 + D, p_last, stride_wp, stride_sp)
+                pair += D
+            if pair < p_end:  # the last (p_end - p_begin) % D pairs, already loaded
+                acc = _pair_step(acc, w0, s0, pair, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K, EVEN_K,
+                                 X_SMEM, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L, ACT_L)
+            if D >= 3:
+                if pair + 1 < p_end:
+                    acc = _pair_step(acc, w1, s1, pair + 1, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K,
+                                     EVEN_K, X_SMEM, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L, ACT_L)
+            if D >= 4:
+                if pair + 2 < p_end:
+                    acc = _pair_step(acc, w2, s2, pair + 2, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K,
+                                     EVEN_K, X_SMEM, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L, ACT_L)
             if X_SMEM:
                 async_copy.wait_group(0)  # the loop's last (redundant) copy, before the next tile's
             rn = n0 + on
@@ -430,7 +382,8 @@ if gluon is not None:
                     total = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
                     FIX: gl.constexpr = _fixup_width(BLOCK_N, BLOCK_M, NUM_WARPS)
                     for q in range(q_first, q_last + 1, FIX):  # FIX parts' loads in flight at once, summed in order
-                        part_0 = _part_of(q, q_last, tile, units, programs, n_pairs, part_ptr, part_at, BLOCK_N * BLOCK_M)
+                        part_0 = _part_of(q, q_last, tile, units, programs, n_pairs, part_ptr, part_at,
+                                          BLOCK_N * BLOCK_M)
                         if FIX >= 2:
                             part_1 = _part_of(q + 1, q_last, tile, units, programs, n_pairs, part_ptr, part_at,
                                               BLOCK_N * BLOCK_M)
@@ -459,10 +412,10 @@ def w4a16_mma_matmul(x2: torch.Tensor, weight: tw.W4A16Weight, y: torch.Tensor,
     t = tiles or default_tiles(m)
     if (t.block_m not in (8, 16, 32, 64) or t.block_n % (16 * t.num_warps) or t.num_warps not in (1, 2, 4, 8)
             or t.prefetch not in (1, 2, 3) or (t.x_smem and 2 * t.num_warps > t.block_m)
-            or (t.split is not None and t.split < 0) or (t.w_smem and t.x_smem)):
+            or (t.split is not None and t.split < 0)):
         raise ValueError(f"w4a16_mma_matmul: {t} needs block_m in 8, 16, 32, 64, block_n a multiple of "
                          f"16 x num_warps, num_warps in 1, 2, 4, 8 and prefetch 1, 2 or 3 (x_smem: block_m >= 2 x "
-                         f"num_warps; split None or >= 0; not both w_smem and x_smem)")
+                         f"num_warps; split None or >= 0)")
     n_pairs = weight.codes.shape[1]
     tiles_n, tiles_m = triton.cdiv(n, t.block_n), triton.cdiv(m, t.block_m)
     n_tiles = tiles_n * tiles_m
@@ -470,9 +423,8 @@ def w4a16_mma_matmul(x2: torch.Tensor, weight: tw.W4A16Weight, y: torch.Tensor,
     pair_l, scale_l, chunk_l, act_l = _layouts(t.block_n, t.block_m, t.num_warps)
     xcp_l, xs_l = _x_smem_layouts(t.block_m, t.num_warps)
     meta = dict(BLOCK_N=t.block_n, BLOCK_M=t.block_m, NUM_WARPS=t.num_warps, FP16=x2.dtype == torch.float16,
-                EVEN_K=k % 128 == 0, PREFETCH=t.prefetch, X_SMEM=t.x_smem and k % 128 == 0, W_SMEM=t.w_smem, XCP_L=xcp_l, XS_L=xs_l, PAIR_L=pair_l, SCALE_L=scale_l, CHUNK_L=chunk_l,
-                ACT_L=act_l,
-                num_warps=t.num_warps)
+                EVEN_K=k % 128 == 0, PREFETCH=t.prefetch, X_SMEM=t.x_smem and k % 128 == 0, XCP_L=xcp_l, XS_L=xs_l,
+                PAIR_L=pair_l, SCALE_L=scale_l, CHUNK_L=chunk_l, ACT_L=act_l, num_warps=t.num_warps)
     codes, scales = weight.codes.view(torch.int32), weight.scales.view(torch.int16)  # [N, pair, 16 / 4]
 
     def args(programs: int, part: torch.Tensor, lock: torch.Tensor) -> list:
