@@ -1,0 +1,483 @@
+"""PROBE (to git history): gluon_w4a16 with per-program %globaltimer stamps (trace_ptr [programs, 16]:
+0 smid, 1 start, 2 + 2 seg loop end, 3 + 2 seg segment end (fix-up included), 8 segments, 9 end).
+
+W4A16 GEMM for decode batches (Gluon, CUDA): ``y = x @ W^T`` (``w4a16_linear`` gives it up to
+``MAX_M`` rows of x), the NVFP4 weight decoded straight into tensor-core fragments in registers.
+
+The Triton kernel (``triton_w4a16``) stages W through shared memory: the compiler copies each chunk
+there (cp.async) and reads it back in the MMA's register layout, and x goes to shared memory and
+back twice, with a barrier a chunk. Gluon states the layouts, so here the weights never touch
+shared memory: each thread loads, with 16-byte loads, exactly the code words its ``mma.sync``
+fragments need, decodes them in registers (the same PTX as the Triton kernel) and multiplies. Its
+activations come from global memory the same way, or (``GluonTiles.x_smem``) from a shared copy of
+x made by cp.async a pair ahead, one for all warps.
+
+**Register prefetch**: ``GluonTiles.prefetch`` + 1 register buffers; a buffer is refilled with the
+pair ``prefetch`` + 1 ahead right after its pair is multiplied, and the loop body takes one pair a
+buffer, so no buffer is ever copied to other registers. (The rotation ``now, next = next, load()``
+compiled to register copies at the back edge, and a copy of a load's target waits for the load: on
+the H200 every pair waited for its successor's weights, ~1 us a pair, whatever the depth.)
+
+**Why the layout fits** (``triton_w4a16`` module docstring has the word format): the A fragment of
+an m16n8k16 MMA gives thread ``q = lane % 4`` the columns ``2q, 2q + 1, 2q + 8, 2q + 9`` of its two
+rows, and the B fragment gives it the same four k of its batch row. A pair's word ``8q + 4cc + 2h
++ e`` holds features ``16q + 4j + 2h + e`` of chunk ``cc`` (j = 0..3), so thread q's words of a row
+are 16 contiguous bytes (both chunks), its activations of a chunk are the 16 contiguous features
+``16q ..``, and all of them share one block scale (group q). The MMA's k order is a permutation of
+the features: column ``8h + 2q + e`` of step j is feature ``16q + 4j + 2h + e``, for W and x alike,
+so the product is the same sum.
+
+**Schedule**: stream-K as the Triton kernel (its docstring): the (tile, pair) units are split
+evenly over one wave of programs, partial tiles summed in program order by the tile's last program
+(four, two or one parts loaded at once). Or split-K (``GluonTiles.split``): S programs a tile, none
+crossing a tile, the same fix-up over S parts.
+
+CUDA only (``mma.sync`` needs sm_80; the inline PTX is the Triton kernel's). No interpreter: the
+Triton kernel is this kernel's CPU counterpart, and tests/test_gluon_w4a16.py holds this one to the
+float64 bound on a GPU (and compiles it for sm_90 on the CPU).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from kvserve.kernels import triton_w4a16 as tw  # noqa: E402
+from kvserve.kernels.triton_store import num_sms
+
+try:  # (triton >= 3.4)
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+    _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # (triton 3.6: thread_barrier; 3.9: barrier)
+    _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared  # (3.9 / 3.6)
+except (ImportError, AttributeError):  # pragma: no cover (a triton without Gluon, or another Gluon API)
+    gluon = gl = async_copy = mma_v2 = _cta_barrier = _cp_async = None
+
+TRACE = [None]
+MAX_M = 64  # batch rows w4a16_linear gives this kernel (H200 at 64: 1.03-1.09x cuBLAS, the Triton kernel 0.72-0.83x)
+
+
+@functools.lru_cache(maxsize=None)
+def available(device: torch.device) -> bool:
+    """Whether this kernel runs on ``device``: CUDA with sm_80+ and a triton with Gluon."""
+    return (gluon is not None and device.type == "cuda"
+            and torch.cuda.get_device_capability(device) >= (8, 0))
+
+
+@dataclass(frozen=True)
+class GluonTiles:
+    """Output rows x batch rows of a program's accumulator, warps (16 rows each per MMA step),
+    programs per SM (None or 0: as many as fit, from the compiled kernel's registers), and how K is
+    split over programs: ``split`` None = stream-K over one wave (a program's range may cross tiles);
+    S >= 1 = S programs a tile, each a contiguous run of its pairs (split-K: no program crosses a tile,
+    1 = no partial sums at all); 0 = the largest S whose programs fit in one wave."""
+
+    block_n: int = 64
+    block_m: int = 8
+    num_warps: int = 4
+    programs_per_sm: int | None = None
+    prefetch: int = 1  # pairs of chunks whose weights are loaded ahead of the one multiplied (1-3)
+    x_smem: bool = False  # x through shared memory (cp.async a pair ahead, one copy for all warps; K % 128 == 0)
+    split: int | None = None
+
+
+def default_tiles(m: int) -> GluonTiles:
+    """The launch tiles for ``m`` batch rows: the accumulator as narrow as the batch allows, with
+    the output rows, warps, prefetch depth, x staging and K split of the fastest tiles over the 27B's
+    three MLP shapes together in the H200 sweep of dceef97 (benchmarks/RESULTS.md): up to batch 8
+    64 rows x 4 warps, three pairs in flight, split-K filling one wave; at 16, 128 x 4 warps, one pair
+    in flight, x through shared memory, stream-K; at 32 the same with two pairs in flight; at 64
+    64 x 4 warps, two in flight, x through shared memory (the batch-64 sweep of a3b7df4)."""
+    if m <= 8:
+        return GluonTiles(64, 8, 4, prefetch=3, split=0)
+    if m <= 16:
+        return GluonTiles(128, 16, 4, prefetch=1, x_smem=True)
+    if m <= 32:
+        return GluonTiles(128, 32, 4, prefetch=2, x_smem=True)
+    return GluonTiles(64, 64, 4, prefetch=2, x_smem=True)
+
+
+def _bits(n: int) -> list[int]:
+    return [1 << i for i in range(n.bit_length() - 1)]
+
+
+@functools.lru_cache(maxsize=None)
+def _layouts(block_n: int, block_m: int, num_warps: int) -> tuple:
+    """The register layouts (each as the linear map from register, lane and warp bits to tensor
+    coordinates) of: a pair's codes [BN, 4 q, 4 (cc, h)] int32, its scales [BN, 4 q] (2 bytes: cc),
+    one chunk's codes [BN, 4 q, 2 h, 2 e] int16, and a chunk's activations [4 q, 16 f, BM]. Each
+    matches the MMA fragments (A: rows ``t / 4 + 8 b + 16 w``, columns from q; B: k from q, the batch
+    row from ``t / 4``) up to the order of a thread's registers."""
+    reps = block_n // (16 * num_warps)
+    rows = [[8, 0, 0]] + [[16 * num_warps * b, 0, 0] for b in _bits(reps)]
+    warps = [[16 * b, 0, 0] for b in _bits(num_warps)]
+    lanes = [[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]]
+    pair = gl.DistributedLinearLayout(reg_bases=[[0, 0, 1], [0, 0, 2]] + rows, lane_bases=lanes,
+                                      warp_bases=warps, block_bases=[], shape=[block_n, 4, 4])
+    scales = gl.DistributedLinearLayout(reg_bases=[r[:2] for r in rows], lane_bases=[v[:2] for v in lanes],
+                                        warp_bases=[v[:2] for v in warps], block_bases=[], shape=[block_n, 4])
+    four = lambda v: [v[0], v[1], 0, 0]  # noqa: E731
+    chunk = gl.DistributedLinearLayout(reg_bases=[[0, 0, 0, 1], [0, 0, 1, 0]] + [four(r) for r in rows],
+                                       lane_bases=[four(v) for v in lanes], warp_bases=[four(v) for v in warps],
+                                       block_bases=[], shape=[block_n, 4, 2, 2])
+    acts = gl.DistributedLinearLayout(
+        reg_bases=[[0, 1, 0], [0, 2, 0], [0, 4, 0], [0, 8, 0]] + [[0, 0, 8 * b] for b in _bits(block_m // 8)],
+        lane_bases=[[1, 0, 0], [2, 0, 0], [0, 0, 1], [0, 0, 2], [0, 0, 4]],
+        warp_bases=[[0, 0, 0]] * len(_bits(num_warps)), block_bases=[], shape=[4, 16, block_m])
+    return pair, scales, chunk, acts
+
+
+@functools.lru_cache(maxsize=None)
+def _x_smem_layouts(block_m: int, num_warps: int) -> tuple:
+    """With ``x_smem``: the copy layout of a pair of x [BM, 128] (16 bytes a thread) and the register
+    layout of a chunk [BM, 64] read back, ACT_L's registers with (m, 16 q + f) coordinates."""
+    copy = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
+    read = gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8]] + [[8 * b, 0] for b in _bits(block_m // 8)],
+        lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[0, 0]] * len(_bits(num_warps)), block_bases=[], shape=[block_m, 64])
+    return copy, read
+
+
+if gluon is not None:
+    _DECODE_BF16 = tw._DECODE_BF16
+    _DECODE_FP16 = tw._DECODE_FP16
+    _PAIR_SCALES_BF16 = gl.constexpr(tw._scales_text(True, 2))  # a thread's group in both chunks of a pair
+    _PAIR_SCALES_FP16 = gl.constexpr(tw._scales_text(False, 2))
+
+    @gluon.jit
+    def _load_x(x_cols, x_feat, k0, K, EVEN_K: gl.constexpr):
+        """A chunk's activations [4 q, 16 f, BM] from feature k0 (zeros past K)."""
+        if EVEN_K:
+            return gl.load(x_cols + k0)
+        return gl.load(x_cols + k0, mask=x_feat + k0 < K, other=0.0)
+
+    @gluon.jit
+    def _steps_of_x(x, BLOCK_M: gl.constexpr, B: gl.constexpr):
+        """A chunk's activations [4 q, 16 f, BM] (feature 16q + f, f = 4j + 2h + e) -> the B operands
+        of its four k16 steps, column 8h + 2q + e."""
+        x = gl.permute(gl.reshape(x, [4, 2, 2, 2, 2, BLOCK_M]), [0, 3, 4, 5, 1, 2])  # [q, h, e, m, j1, j0]
+        even, odd = gl.split(x)
+        x0, x2 = gl.split(even)
+        x1, x3 = gl.split(odd)
+        x0 = gl.convert_layout(gl.reshape(gl.permute(x0, [1, 0, 2, 3]), [16, BLOCK_M]), B)
+        x1 = gl.convert_layout(gl.reshape(gl.permute(x1, [1, 0, 2, 3]), [16, BLOCK_M]), B)
+        x2 = gl.convert_layout(gl.reshape(gl.permute(x2, [1, 0, 2, 3]), [16, BLOCK_M]), B)
+        x3 = gl.convert_layout(gl.reshape(gl.permute(x3, [1, 0, 2, 3]), [16, BLOCK_M]), B)
+        return x0, x1, x2, x3
+
+    @gluon.jit
+    def _operand(w_j, BLOCK_N: gl.constexpr, A: gl.constexpr):
+        """Step j's decoded weights [BN, 4 q, 2 h, 2 e] -> the A operand, column 8h + 2q + e."""
+        return gl.convert_layout(gl.reshape(gl.permute(w_j, [0, 2, 1, 3]), [BLOCK_N, 16]), A)
+
+    @gluon.jit
+    def _chunk_mma(acc, w, s, x, FP16: gl.constexpr, A: gl.constexpr, B: gl.constexpr,
+                   CHUNK_L: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr):
+        """acc += one chunk: codes [BN, 4, 2, 2] int16, their scale pairs [BN, 4], activations [4, 16, BM]."""
+        w = gl.convert_layout(w, CHUNK_L)
+        s = gl.convert_layout(s, gl.SliceLayout(2, gl.SliceLayout(3, CHUNK_L)))
+        s = gl.expand_dims(gl.expand_dims(s, 2), 3).broadcast_to(w.shape)
+        if FP16:
+            w0, w1, w2, w3 = gl.inline_asm_elementwise(
+                _DECODE_FP16, "=r,=r,=r,=r,r,r,r", [w, s], dtype=(gl.float16, gl.float16, gl.float16, gl.float16),
+                is_pure=True, pack=2)
+        else:
+            w0, w1, w2, w3 = gl.inline_asm_elementwise(
+                _DECODE_BF16, "=r,=r,=r,=r,r,r,r", [w, s],
+                dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16), is_pure=True, pack=2)
+        x0, x1, x2, x3 = _steps_of_x(x, BLOCK_M, B)
+        acc = mma_v2(_operand(w0, BLOCK_N, A), x0, acc)
+        acc = mma_v2(_operand(w1, BLOCK_N, A), x1, acc)
+        acc = mma_v2(_operand(w2, BLOCK_N, A), x2, acc)
+        acc = mma_v2(_operand(w3, BLOCK_N, A), x3, acc)
+        return acc
+
+    @gluon.jit
+    def _smem_x(stage, f0, BLOCK_M: gl.constexpr, XS_L: gl.constexpr, ACT_L: gl.constexpr):
+        """A chunk's activations [4 q, 16 f, BM] from a shared-memory stage [BM, 128], features f0 .."""
+        xs = stage.slice(f0, 64, dim=1).load(XS_L)  # [BM, 64]: ACT_L's registers, in (m, 16 q + f) order
+        return gl.convert_layout(gl.reshape(gl.permute(xs, [1, 0]), [4, 16, BLOCK_M]), ACT_L)
+
+    @gluon.jit
+    def _copy_x(dst, x_from, k0):
+        """cp.async the pair of x [BM, 128] from feature k0 into ``dst`` (K a multiple of 128), one group."""
+        _cp_async(dst, x_from + k0)
+        async_copy.commit_group()
+
+    @gluon.jit
+    def _pair_mma(acc, w, s, xa, xb, FP16: gl.constexpr, A: gl.constexpr, B: gl.constexpr,
+                  CHUNK_L: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr):
+        """acc += one pair: codes [BN, 4 q, 4 words] int32, scales [BN, 4 q] int16, each chunk's activations."""
+        w16 = gl.join((w & 0xFFFF).to(gl.int16), (w >> 16).to(gl.int16))  # [BN, 4, (cc, h), e]
+        w0, w1 = gl.split(gl.permute(gl.reshape(w16, [BLOCK_N, 4, 2, 2, 2]), [0, 1, 3, 4, 2]))
+        if FP16:
+            s0, s1 = gl.inline_asm_elementwise(_PAIR_SCALES_FP16, "=r,=r,r", [s.to(gl.int32) & 0xFFFF],
+                                               dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
+        else:
+            s0, s1 = gl.inline_asm_elementwise(_PAIR_SCALES_BF16, "=r,=r,r", [s.to(gl.int32) & 0xFFFF],
+                                               dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
+        acc = _chunk_mma(acc, w0, s0, xa, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M)
+        return _chunk_mma(acc, w1, s1, xb, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M)
+
+    @gluon.jit
+    def _load_w(w_rows, s_rows, pair, p_last, stride_wp, stride_sp):
+        """A pair's codes and scales (pair clamped to p_last: past the range, a harmless reload)."""
+        at = gl.minimum(pair, p_last)
+        return gl.load(w_rows + at * stride_wp), gl.load(s_rows + at * stride_sp)
+
+    @gluon.jit
+    def _pair_step(acc, w, s, pair, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K, EVEN_K: gl.constexpr,
+                   X_SMEM: gl.constexpr, FP16: gl.constexpr, A: gl.constexpr, B: gl.constexpr,
+                   CHUNK_L: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, XS_L: gl.constexpr,
+                   ACT_L: gl.constexpr):
+        """acc += pair ``pair`` (codes w, scales s already in registers), its x from global memory or,
+        with X_SMEM, from the stage copied a pair ago (the next pair's copy started here)."""
+        if X_SMEM:
+            stage = (pair - p_begin) % 2
+            _cta_barrier()  # every warp has read the stage the next copy overwrites
+            _copy_x(x_smem.index(1 - stage), x_from, gl.minimum(pair + 1, p_end - 1) * 128)
+            async_copy.wait_group(1)  # this pair's copy (the one before) has landed, for this thread
+            _cta_barrier()  # ... and for every thread
+            xa = _smem_x(x_smem.index(stage), 0, BLOCK_M, XS_L, ACT_L)
+            xb = _smem_x(x_smem.index(stage), 64, BLOCK_M, XS_L, ACT_L)
+        else:
+            xa = _load_x(x_cols, x_feat, pair * 128, K, EVEN_K)
+            xb = _load_x(x_cols, x_feat, pair * 128 + 64, K, EVEN_K)
+        return _pair_mma(acc, w, s, xa, xb, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M)
+
+    @gluon.constexpr_function
+    def _fixup_width(block_n, block_m, num_warps):
+        """Parts the fix-up loads at once: 4, 2 or 1, so that they hold at most 32 fp32 registers a thread."""
+        per_thread = block_n * block_m // (32 * num_warps)
+        return 4 if per_thread <= 8 else 2 if per_thread <= 16 else 1
+
+    @gluon.jit
+    def _part_of(q, q_last, tile, units, programs, n_pairs, part_ptr, part_at, TILE: gl.constexpr):
+        """Program q's partial of ``tile`` (its slot 0 if the tile is where it starts, else 1), 0 past
+        q_last (the load clamped to q_last's, so always in bounds)."""
+        q_in = gl.minimum(q, q_last)
+        q_lo = (q_in * units // programs).to(gl.int32)
+        q_slot = q_in * 2 + 1 - (q_lo // n_pairs == tile).to(gl.int64)
+        part = gl.load(part_ptr + q_slot * TILE + part_at, cache_modifier=".cg")
+        return gl.where(q <= q_last, part, 0.0)
+
+    @gluon.jit(do_not_specialize=["M", "N", "K", "n_pairs", "tiles_n", "units", "programs"])
+    def _w4a16_mma_kernel(
+        x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, part_ptr, lock_ptr, trace_ptr,
+        M, N, K, n_pairs, tiles_n, units, programs,
+        stride_xm, stride_wn, stride_wp, stride_sn, stride_sp, stride_ym,
+        BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, NUM_WARPS: gl.constexpr, FP16: gl.constexpr,
+        EVEN_K: gl.constexpr, PREFETCH: gl.constexpr, X_SMEM: gl.constexpr, PAIR_L: gl.constexpr, SCALE_L: gl.constexpr,
+        CHUNK_L: gl.constexpr,
+        ACT_L: gl.constexpr, XCP_L: gl.constexpr, XS_L: gl.constexpr,
+    ):
+        """Program p takes units [p U / P, (p + 1) U / P) of U = tiles x pairs (tile-major)."""
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                      instr_shape=[16, 8])
+        A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+        B: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+        p = gl.program_id(0)
+        u_lo = (p.to(gl.int64) * units // programs).to(gl.int32)
+        u_hi = ((p.to(gl.int64) + 1) * units // programs).to(gl.int32)
+        # index vectors: codes [BN, 4 q, 4 words], scales [BN, 4 q], activations [4 q, 16 f, BM]
+        cn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, PAIR_L)))
+        cq = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, PAIR_L)))
+        cw = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, PAIR_L)))
+        c_in_row = gl.expand_dims(gl.expand_dims(cq * 4, 0), 2) + gl.expand_dims(gl.expand_dims(cw, 0), 1)
+        sn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, SCALE_L))
+        sq = gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, SCALE_L)), 0)
+        xq = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, ACT_L)))
+        xf = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, ACT_L)))
+        xm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, gl.SliceLayout(1, ACT_L)))
+        x_feat = gl.expand_dims(gl.expand_dims(xq * 16, 1), 2) + gl.expand_dims(gl.expand_dims(xf, 0), 2)
+        on = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
+        om = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
+        if X_SMEM:  # [2 stages, BM, 128 features]: 16-byte pieces, swizzled by row (conflict-free reads)
+            x_smem = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [2, BLOCK_M, 128],
+                                               gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0]))
+            cm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, XCP_L))
+            cf = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, XCP_L)), 0)
+        else:
+            x_smem = 0
+        tr = trace_ptr + p.to(gl.int64) * 16
+        gl.store(tr + 0, gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [p], dtype=gl.int32, is_pure=False,
+                                                   pack=1).to(gl.int64))
+        gl.store(tr + 1, gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [p], dtype=gl.int64, is_pure=False, pack=1))
+        seg = 0
+        u = u_lo
+        while u < u_hi:
+            tile = u // n_pairs
+            p_begin = u - tile * n_pairs
+            p_end = gl.minimum(n_pairs, p_begin + (u_hi - u))
+            n0 = (tile % tiles_n) * BLOCK_N
+            m0 = (tile // tiles_n) * BLOCK_M
+            rows = gl.minimum(n0 + cn, N - 1).to(gl.int64)  # (rows past N load row N - 1, never stored)
+            w_rows = w_ptr + (gl.expand_dims(gl.expand_dims(rows * stride_wn, 1), 2) + c_in_row)
+            s_rows = s_ptr + (gl.expand_dims(gl.minimum(n0 + sn, N - 1).to(gl.int64) * stride_sn, 1) + sq)
+            x_rows = gl.minimum(m0 + xm, M - 1).to(gl.int64)
+            x_cols = x_ptr + (x_feat + gl.expand_dims(gl.expand_dims(x_rows * stride_xm, 0), 1))
+            acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
+            x_from = 0
+            if X_SMEM:
+                x_from = x_ptr + (gl.expand_dims(gl.minimum(m0 + cm, M - 1).to(gl.int64) * stride_xm, 1) + cf)
+                _cta_barrier()  # the last tile's reads of both stages are done
+                _copy_x(x_smem.index(0), x_from, p_begin * 128)
+            # PREFETCH + 1 register buffers, each refilled with the pair PREFETCH + 1 ahead right after
+            # its pair is multiplied, so PREFETCH pairs stay in flight. The loop body takes one pair a
+            # buffer: a buffer never moves to other registers (a register copy of a load's target waits
+            # for the load, which would end the prefetch at the loop's back edge).
+            D: gl.constexpr = PREFETCH + 1
+            p_last = p_end - 1
+            blocks = (p_end - p_begin) // D
+            pair = p_begin
+            w0, s0 = _load_w(w_rows, s_rows, p_begin, p_last, stride_wp, stride_sp)
+            w1, s1 = _load_w(w_rows, s_rows, p_begin + 1, p_last, stride_wp, stride_sp)
+            if D >= 3:
+                w2, s2 = _load_w(w_rows, s_rows, p_begin + 2, p_last, stride_wp, stride_sp)
+            if D >= 4:
+                w3, s3 = _load_w(w_rows, s_rows, p_begin + 3, p_last, stride_wp, stride_sp)
+            for _ in range(blocks):
+                acc = _pair_step(acc, w0, s0, pair, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K, EVEN_K,
+                                 X_SMEM, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L, ACT_L)
+                w0, s0 = _load_w(w_rows, s_rows, pair + D, p_last, stride_wp, stride_sp)
+                acc = _pair_step(acc, w1, s1, pair + 1, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K, EVEN_K,
+                                 X_SMEM, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L, ACT_L)
+                w1, s1 = _load_w(w_rows, s_rows, pair + 1 + D, p_last, stride_wp, stride_sp)
+                if D >= 3:
+                    acc = _pair_step(acc, w2, s2, pair + 2, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K,
+                                     EVEN_K, X_SMEM, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L, ACT_L)
+                    w2, s2 = _load_w(w_rows, s_rows, pair + 2 + D, p_last, stride_wp, stride_sp)
+                if D >= 4:
+                    acc = _pair_step(acc, w3, s3, pair + 3, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K,
+                                     EVEN_K, X_SMEM, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L, ACT_L)
+                    w3, s3 = _load_w(w_rows, s_rows, pair + 3 + D, p_last, stride_wp, stride_sp)
+                pair += D
+            if pair < p_end:  # the last (p_end - p_begin) % D pairs, already loaded
+                acc = _pair_step(acc, w0, s0, pair, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K, EVEN_K,
+                                 X_SMEM, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L, ACT_L)
+            if D >= 3:
+                if pair + 1 < p_end:
+                    acc = _pair_step(acc, w1, s1, pair + 1, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K,
+                                     EVEN_K, X_SMEM, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L, ACT_L)
+            if D >= 4:
+                if pair + 2 < p_end:
+                    acc = _pair_step(acc, w2, s2, pair + 2, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K,
+                                     EVEN_K, X_SMEM, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L, ACT_L)
+            if X_SMEM:
+                async_copy.wait_group(0)  # the loop's last (redundant) copy, before the next tile's
+            gl.store(tr + 2 + 2 * seg, gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [p], dtype=gl.int64, is_pure=False, pack=1))
+            rn = n0 + on
+            rm = m0 + om
+            y_ok = gl.expand_dims(rn < N, 1) & gl.expand_dims(rm < M, 0)
+            g = gl.load(g_ptr + gl.minimum(rn, N - 1))
+            y_at = y_ptr + gl.expand_dims(rm.to(gl.int64) * stride_ym, 0) + gl.expand_dims(rn, 1)
+            if p_begin == 0 and p_end == n_pairs:  # the whole tile
+                gl.store(y_at, (acc * gl.expand_dims(g, 1)).to(y_ptr.dtype.element_ty), mask=y_ok)
+            else:  # a part (see triton_w4a16._w4a16_kernel): the tile's last program sums them in order
+                first = (u == u_lo).to(gl.int32)
+                part_at = gl.expand_dims(on, 1) * BLOCK_M + gl.expand_dims(om, 0)
+                slot = part_ptr + (p * 2 + 1 - first).to(gl.int64) * (BLOCK_N * BLOCK_M) + part_at
+                gl.store(slot, acc)
+                _cta_barrier()
+                t_lo, t_hi = tile * n_pairs, tile * n_pairs + n_pairs
+                q_first = ((t_lo + 1).to(gl.int64) * programs + units - 1) // units - 1
+                q_last = (t_hi.to(gl.int64) * programs + units - 1) // units - 1
+                arrived = gl.atomic_add(lock_ptr + tile, 1, sem="acq_rel")
+                if arrived == q_last - q_first:
+                    total = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
+                    FIX: gl.constexpr = _fixup_width(BLOCK_N, BLOCK_M, NUM_WARPS)
+                    for q in range(q_first, q_last + 1, FIX):  # FIX parts' loads in flight at once, summed in order
+                        part_0 = _part_of(q, q_last, tile, units, programs, n_pairs, part_ptr, part_at,
+                                          BLOCK_N * BLOCK_M)
+                        if FIX >= 2:
+                            part_1 = _part_of(q + 1, q_last, tile, units, programs, n_pairs, part_ptr, part_at,
+                                              BLOCK_N * BLOCK_M)
+                        if FIX >= 4:
+                            part_2 = _part_of(q + 2, q_last, tile, units, programs, n_pairs, part_ptr, part_at,
+                                              BLOCK_N * BLOCK_M)
+                            part_3 = _part_of(q + 3, q_last, tile, units, programs, n_pairs, part_ptr, part_at,
+                                              BLOCK_N * BLOCK_M)
+                        total += part_0
+                        if FIX >= 2:
+                            total += part_1
+                        if FIX >= 4:
+                            total += part_2
+                            total += part_3
+                    gl.atomic_xchg(lock_ptr + tile, 0)
+                    gl.store(y_at, (total * gl.expand_dims(g, 1)).to(y_ptr.dtype.element_ty), mask=y_ok)
+            gl.store(tr + 3 + 2 * seg, gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [p], dtype=gl.int64, is_pure=False, pack=1))
+            seg += 1
+            u += p_end - p_begin
+        gl.store(tr + 8, seg.to(gl.int64))
+        gl.store(tr + 9, gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [p], dtype=gl.int64, is_pure=False, pack=1))
+
+
+def w4a16_mma_matmul(x2: torch.Tensor, weight: tw.W4A16Weight, y: torch.Tensor,
+                     tiles: GluonTiles | None = None) -> torch.Tensor:
+    """y [M, N] = x2 [M, K] (bf16 / fp16, rows contiguous) @ W^T, W from ``pack_w4a16`` (M <= 64 for
+    the default tiles; any M works, one batch tile after another)."""
+    m, k = x2.shape
+    n = weight.out_features
+    t = tiles or default_tiles(m)
+    if (t.block_m not in (8, 16, 32, 64) or t.block_n % (16 * t.num_warps) or t.num_warps not in (1, 2, 4, 8)
+            or t.prefetch not in (1, 2, 3) or (t.x_smem and 2 * t.num_warps > t.block_m)
+            or (t.split is not None and t.split < 0)):
+        raise ValueError(f"w4a16_mma_matmul: {t} needs block_m in 8, 16, 32, 64, block_n a multiple of "
+                         f"16 x num_warps, num_warps in 1, 2, 4, 8 and prefetch 1, 2 or 3 (x_smem: block_m >= 2 x "
+                         f"num_warps; split None or >= 0)")
+    n_pairs = weight.codes.shape[1]
+    if TRACE[0] is None:
+        TRACE[0] = torch.zeros((8192, 16), dtype=torch.int64, device=x2.device)
+    tiles_n, tiles_m = triton.cdiv(n, t.block_n), triton.cdiv(m, t.block_m)
+    n_tiles = tiles_n * tiles_m
+    units = n_tiles * n_pairs
+    pair_l, scale_l, chunk_l, act_l = _layouts(t.block_n, t.block_m, t.num_warps)
+    xcp_l, xs_l = _x_smem_layouts(t.block_m, t.num_warps)
+    meta = dict(BLOCK_N=t.block_n, BLOCK_M=t.block_m, NUM_WARPS=t.num_warps, FP16=x2.dtype == torch.float16,
+                EVEN_K=k % 128 == 0, PREFETCH=t.prefetch, X_SMEM=t.x_smem and k % 128 == 0, XCP_L=xcp_l, XS_L=xs_l,
+                PAIR_L=pair_l, SCALE_L=scale_l, CHUNK_L=chunk_l, ACT_L=act_l, num_warps=t.num_warps)
+    codes, scales = weight.codes.view(torch.int32), weight.scales.view(torch.int16)  # [N, pair, 16 / 4]
+
+    def args(programs: int, part: torch.Tensor, lock: torch.Tensor) -> list:
+        return [x2, codes, scales, weight.row_scale, y, part, lock, TRACE[0], m, n, k, n_pairs, tiles_n, units, programs,
+                x2.stride(0), codes.stride(0), codes.stride(1), scales.stride(0), scales.stride(1), y.stride(0)]
+
+    if n_tiles > tw._LOCKS or t.split == 1:
+        programs = n_tiles
+    elif t.split:  # S programs a tile: program t S + s takes pairs [s P / S, (s + 1) P / S) of tile t
+        programs = n_tiles * min(t.split, n_pairs)
+    else:
+        per_sm = t.programs_per_sm or tw._ctas_per_sm(
+            _w4a16_mma_kernel, lambda: args(1, tw._no_parts(x2.device), tw._tile_locks(x2.device)),
+            meta, x2.dtype, x2.device, variant=(t, meta["EVEN_K"]))
+        wave = num_sms(x2.device) * per_sm
+        programs = min(units, wave) if t.split is None else n_tiles * max(1, min(n_pairs, wave // n_tiles))
+    streamed = programs != n_tiles
+    part = (torch.empty((programs, 2, t.block_n, t.block_m), dtype=torch.float32, device=x2.device) if streamed
+            else tw._no_parts(x2.device))
+    _w4a16_mma_kernel[(programs,)](*args(programs, part, tw._tile_locks(x2.device)), **meta)
+    return y
+
+
+def w4a16_linear(x: torch.Tensor, weight: tw.W4A16Weight, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ W^T as the model runs it: this kernel for batches of up to ``MAX_M`` rows of
+    bf16 / fp16 on a GPU that has it, else ``triton_w4a16.w4a16_matmul`` (the Triton kernel, the
+    dequantize path for large batches, the interpreter and fp32)."""
+    k, n = weight.in_features, weight.out_features
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    if not (0 < m <= MAX_M and x.dtype in (torch.bfloat16, torch.float16) and x.shape[-1] == k
+            and available(x.device)):
+        return tw.w4a16_matmul(x, weight, out=out)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y = out if out is not None else torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if tuple(y.shape) != (m, n) or y.stride(-1) != 1 or y.dtype != x.dtype:
+        raise ValueError(f"w4a16_linear: out {tuple(y.shape)} {y.dtype}, expected {(m, n)} {x.dtype}, rows contiguous")
+    w4a16_mma_matmul(x2, weight, y)
+    return y.reshape(*x.shape[:-1], n)
