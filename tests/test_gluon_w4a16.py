@@ -137,14 +137,16 @@ print(json.dumps({"mma": ptx.count("mma.sync.aligned.m16n8k16"), "ld_shared": pt
 
 
 @pytest.mark.parametrize("variant", [(128, 8, 4, False, True, 2, False), (64, 32, 2, True, False, 2, False),
-                                     (128, 16, 8, False, True, 3, False), (64, 32, 2, False, True, 2, True)],
+                                     (128, 16, 8, False, True, 3, False), (64, 32, 2, False, True, 2, True),
+                                     (64, 8, 4, False, True, 3, False)],
                          ids=["bf16-bm8-prefetch2", "fp16-bm32-oddK-prefetch2", "bf16-bm16-prefetch3",
-                              "bf16-bm32-x-smem"])
+                              "bf16-bm32-x-smem", "bf16-default-bm8"])
 def test_gluon_w4a16_compiles_for_sm90(variant):
-    """The kernel compiles to sm_90 with this machine's triton: mma.sync, no spills, and shared
-    memory only to hand the tile counter's value (one atomic) to the program's threads, no operand
-    staged there. The kernel the H200 runs (checked there) still builds. (In a fresh process, outside
-    the interpreter mode and its patches that this test session runs under.)"""
+    """The kernel compiles to sm_90 with this machine's triton: mma.sync (the unrolled loop's and its
+    tail's), no spills, and shared memory only to hand the tile counter's value (one atomic) to the
+    program's threads, or with ``x_smem`` for x's two stages; the weights are never staged there.
+    The default batch-8 tile is among them. (In a fresh process, outside the interpreter mode and its
+    patches that this test session runs under.)"""
     import json
     import os
     import subprocess
