@@ -264,12 +264,11 @@ def test_bad_models(tmp_path):
 
 
 def test_module_needs_no_torch():
-    code = ("import importlib.util, sys, time; t = time.time(); "
+    code = ("import importlib.util, sys; "
             "s = importlib.util.spec_from_file_location('t', sys.argv[1]); m = importlib.util.module_from_spec(s); "
             "sys.modules['t'] = m; s.loader.exec_module(m); "
             "m.format_report(m.traffic(m.model_shape('qwen3.6-27b'), 1024, 1024, 64, 'fp8')); "
-            "assert 'torch' not in sys.modules; print(time.time() - t)")
+            "assert 'torch' not in sys.modules")
     src = Path(__file__).parents[1] / "kvserve" / "tools" / "traffic.py"
     res = subprocess.run([sys.executable, "-c", code, str(src)], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
-    assert float(res.stdout) < 0.5
