@@ -95,16 +95,25 @@ def sweep_tiles(m: int) -> list:
     from kvserve.kernels import gluon_w4a16 as g
     from kvserve.kernels.triton_w4a16 import W4A16Tiles
 
+    wgmma = []  # the Gluon kernel's warpgroup MMAs (sm_90): a 64-row warpgroup a block of weight rows
+    if m > 32 and g.wgmma_available(torch.device(DEV)):
+        T = g.GluonTiles
+        bm = 64 if m <= 64 else 128
+        wgmma = ([T(64, bm, 4, None, pf, False, sp, wgmma=True, x_stages=st) for pf in (1, 2) for st in (3, 4)
+                  for sp in (None, 0)]
+                 + [T(128, bm, 8, None, pf, False, sp, wgmma=True, x_stages=3) for pf in (1, 2) for sp in (None, 0)]
+                 + [T(64, bm, 4, None, 1, False, 1, wgmma=True, x_stages=3)])
     if m <= g.MAX_M and g.available(torch.device(DEV)):  # the Gluon kernel's grid: stream-K, then split-K
         T = g.GluonTiles
         bm = 8 if m <= 8 else 16 if m <= 16 else 32 if m <= 32 else 64
-        return [g.default_tiles(m)] + [T(bn, bm, w, None, pf, xs, s) for bn, w in ((64, 4), (16, 1), (32, 2), (128, 4))
-                                       for pf in (1, 2, 3) for xs in (True, False) for s in (None, 0)
-                                       if not (xs and 2 * w > bm)]
+        return [g.default_tiles(m)] + wgmma + [T(bn, bm, w, None, pf, xs, s) for bn, w in ((64, 4), (16, 1), (32, 2), (128, 4))
+                                               for pf in (1, 2, 3) for xs in (True, False) for s in (None, 0)
+                                               if not (xs and 2 * w > bm)]
     gluon = []  # x through shared memory lets the Gluon kernel take 64-row batch tiles without spilling
     if m <= 128 and g.available(torch.device(DEV)):
         gluon = [g.GluonTiles(64, 64, 2, None, 2, True), g.GluonTiles(128, 64, 4, None, 2, True),
                  g.GluonTiles(64, 64, 4, None, 2, True)]
+    gluon = wgmma + gluon
     bm = next(b for b in (16, 32, 64, 128) if m <= b or b == 128)
     one = [W4A16Tiles(128, bm, ch, 4 if bm <= 64 else 8, st, one_dot=True) for ch in (1, 2) for st in (3, 4)]
     one = gluon + one

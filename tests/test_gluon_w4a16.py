@@ -73,6 +73,81 @@ def test_gluon_w4a16_tiles_and_stream_k(tiles):
 
 
 @gpu
+@pytest.mark.parametrize("tiles", [(64, 128, 4, None, 2, None, 3), (128, 128, 8, None, 1, 0, 3),
+                                   (64, 64, 4, None, 1, 1, 2), (64, 128, 4, 1, 2, None, 4),
+                                   (128, 64, 8, None, 2, 3, 4), (64, 256, 4, None, 1, None, 2)],
+                         ids=lambda t: "x".join(map(str, t)))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gluon_w4a16_wgmma(tiles, dtype):
+    """The warpgroup-MMA path (sm_90): batch tiles 64-256, one or two warpgroups, stream-K (one or
+    more programs an SM), split-K (1, 3, a wave's worth), 2-4 x stages; M, N not multiples of the
+    tile and K not of 128 (x zero-padded by ``mma_order``): within the float64 bound, the same bits
+    on a second call, the tile counters back at zero."""
+    from kvserve.kernels import gluon_w4a16 as g
+    from kvserve.kernels import triton_w4a16 as tw
+
+    if not g.wgmma_available(torch.device("cuda")):
+        pytest.skip("warpgroup MMAs need sm_90")
+    bn, bm, nw, per_sm, prefetch, split, x_stages = tiles
+    m, n, k = 2 * bm - 3, 3 * bn + 5, 1152 + 64
+    (packed, block_scale, s2), gen = _quantized(n, k, bn + bm + nw + x_stages)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    wt = tw.pack_w4a16(packed.cuda(), block_scale.cuda(), s2.cuda())
+    t = g.GluonTiles(bn, bm, nw, per_sm, prefetch, False, split, wgmma=True, x_stages=x_stages)
+    y = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
+    g.w4a16_mma_matmul(x.cuda(), wt, y, t)
+    assert _bound_ok(y.cpu(), x, _exact(packed, block_scale, s2))
+    again = g.w4a16_mma_matmul(x.cuda(), wt, torch.empty_like(y), t)
+    assert torch.equal(again, y)
+    assert not bool(tw._tile_locks(y.device).any())
+    with pytest.raises(ValueError, match="x_stages 2, 3 or 4"):
+        g.w4a16_mma_matmul(x.cuda(), wt, y, g.GluonTiles(bn, bm, nw, wgmma=True, x_stages=5))
+
+
+@gpu
+@pytest.mark.parametrize("shape", [(128, 17408, 5120), (256, 5120, 17408), (96, 34816, 5120)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_gluon_w4a16_wgmma_27b_shapes(shape):
+    """The warpgroup-MMA path on the 27B's MLP shapes at prefill-sized batches, against float64."""
+    from kvserve.kernels import gluon_w4a16 as g
+    from kvserve.kernels.triton_w4a16 import pack_w4a16
+
+    if not g.wgmma_available(torch.device("cuda")):
+        pytest.skip("warpgroup MMAs need sm_90")
+    m, n, k = shape
+    (packed, block_scale, s2), gen = _quantized(n, k, m + n + k)
+    x = (torch.randn(m, k, generator=gen) * 2).to(torch.bfloat16)
+    wt = pack_w4a16(packed.cuda(), block_scale.cuda(), s2.cuda())
+    y = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    g.w4a16_mma_matmul(x.cuda(), wt, y, g.GluonTiles(64, 128, 4, None, 2, wgmma=True))
+    assert not bool(torch.isnan(y).any())
+    assert _bound_ok(y.cpu(), x, _exact(packed, block_scale, s2))
+
+
+def test_mma_order_places_each_feature_at_its_mma_column():
+    """``mma_order`` (the wgmma path's x): in every chunk of 64 features, position 16 j + 8 h + 2 q + e
+    holds feature 16 q + 4 j + 2 h + e, the column the weight decode gives that feature; past K zeros
+    up to whole pairs of chunks."""
+    from kvserve.kernels import gluon_w4a16 as g
+
+    m, k, n_pairs = 3, 200, 2
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    got = g.mma_order(x, n_pairs)
+    assert got.shape == (m, 128 * n_pairs)
+    want = torch.zeros(m, 128 * n_pairs, dtype=x.dtype)
+    for chunk in range(2 * n_pairs):
+        for q in range(4):
+            for j in range(4):
+                for h in range(2):
+                    for e in range(2):
+                        f = 64 * chunk + 16 * q + 4 * j + 2 * h + e
+                        if f < k:
+                            want[:, 64 * chunk + 16 * j + 8 * h + 2 * q + e] = x[:, f]
+    assert torch.equal(got, want)
+    assert torch.equal(g.mma_order(x[:, :128], 1), want[:, :128])  # K a whole pair: no padding
+
+
+@gpu
 def test_w4a16_linear_dispatch_and_cuda_graph():
     """Decode batches take the Gluon kernel, larger ones and fp32 the Triton path, with the same
     product up to the bound; the Gluon launch replays in a CUDA graph."""
@@ -110,7 +185,7 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from kvserve.kernels import gluon_w4a16 as g
 
-bn, bm, nw, fp16, even_k, prefetch, x_smem = json.loads(sys.argv[1])
+bn, bm, nw, fp16, even_k, prefetch, x_smem, wgmma, x_stages = json.loads(sys.argv[1])
 if g.gluon is None:
     print(json.dumps(None))
     sys.exit()
@@ -121,8 +196,11 @@ sig = {"x_ptr": f"*{ty}", "w_ptr": "*i32", "s_ptr": "*i16", "g_ptr": "*fp32", "y
        "stride_sp": "i32", "stride_ym": "i32"}
 pair, scales, chunk, acts = g._layouts(bn, bm, nw)
 xcp, xs = g._x_smem_layouts(bm, nw)
+if wgmma:
+    xcp = g._x_chunk_copy_layout(nw)
 consts = dict(BLOCK_N=bn, BLOCK_M=bm, NUM_WARPS=nw, FP16=fp16, EVEN_K=even_k, PREFETCH=prefetch, X_SMEM=x_smem,
-              PAIR_L=pair, SCALE_L=scales, CHUNK_L=chunk, ACT_L=acts, XCP_L=xcp, XS_L=xs)
+              PAIR_L=pair, SCALE_L=scales, CHUNK_L=chunk, ACT_L=acts, XCP_L=xcp, XS_L=xs, WGMMA=wgmma,
+              X_STAGES=x_stages)
 aligned = ("x_ptr", "w_ptr", "s_ptr", "g_ptr", "y_ptr", "part_ptr", "lock_ptr", "stride_xm", "stride_wn", "stride_wp",
            "stride_ym")  # as the launcher specializes them (16-byte aligned tensors, strides multiples of 16)
 attrs = {(list(sig).index(a),): [["tt.divisibility", 16]] for a in aligned}
@@ -130,23 +208,30 @@ src = GluonASTSource(fn=g._w4a16_mma_kernel, signature=sig, constexprs=consts, a
 k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": nw})
 ptx = k.asm["ptx"]
 print(json.dumps({"mma": ptx.count("mma.sync.aligned.m16n8k16"), "ld_shared": ptx.count("ld.shared"),
+                  "wgmma": ptx.count("wgmma.mma_async.sync.aligned.m64n%dk16.f32" % bm),
                   "cp_async": ptx.count("cp.async.cg.shared.global"),
                   "st_shared": ptx.count("st.shared"), "shared": k.metadata.shared,
                   "local": ptx.count("ld.local") + ptx.count("st.local")}))
 """
 
 
-@pytest.mark.parametrize("variant", [(128, 8, 4, False, True, 2, False), (64, 32, 2, True, False, 2, False),
-                                     (128, 16, 8, False, True, 3, False), (64, 32, 2, False, True, 2, True),
-                                     (64, 8, 4, False, True, 3, False)],
+@pytest.mark.parametrize("variant", [(128, 8, 4, False, True, 2, False, False, 2),
+                                     (64, 32, 2, True, False, 2, False, False, 2),
+                                     (128, 16, 8, False, True, 3, False, False, 2),
+                                     (64, 32, 2, False, True, 2, True, False, 2),
+                                     (64, 8, 4, False, True, 3, False, False, 2),
+                                     (64, 128, 4, False, True, 2, False, True, 3),
+                                     (128, 64, 8, True, True, 1, False, True, 4)],
                          ids=["bf16-bm8-prefetch2", "fp16-bm32-oddK-prefetch2", "bf16-bm16-prefetch3",
-                              "bf16-bm32-x-smem", "bf16-default-bm8"])
+                              "bf16-bm32-x-smem", "bf16-default-bm8", "bf16-wgmma-bm128", "fp16-wgmma-bm64-8warps"])
 def test_gluon_w4a16_compiles_for_sm90(variant):
     """The kernel compiles to sm_90 with this machine's triton: mma.sync (the unrolled loop's and its
     tail's), no spills, and shared memory only to hand the tile counter's value (one atomic) to the
     program's threads, or with ``x_smem`` for x's two stages; the weights are never staged there.
-    The default batch-8 tile is among them. (In a fresh process, outside the interpreter mode and its
-    patches that this test session runs under.)"""
+    The default batch-8 tile is among them. With ``wgmma``: m64nBMk16 wgmmas (four a chunk, two chunks
+    a pair, for each 64 rows of a warpgroup), A from registers (no shared-memory round trip: the one
+    ld.shared is the counter's), x's stages the only shared memory. (In a fresh process, outside the
+    interpreter mode and its patches that this test session runs under.)"""
     import json
     import os
     import subprocess
@@ -162,8 +247,12 @@ def test_gluon_w4a16_compiles_for_sm90(variant):
         pytest.skip("this triton has no Gluon")
     bn, bm, nw = variant[:3]
     prefetch = variant[5]  # the loop body multiplies prefetch + 1 pairs, the tail up to prefetch more
-    assert got["mma"] == 4 * (bn // (16 * nw)) * (bm // 8) * 2 * (2 * prefetch + 1)
-    if variant[-1]:  # x_smem: two stages of x [BM, 128] copied in by cp.async, read back, no weights staged
+    if variant[7]:  # wgmma: the x stages (x_stages pairs of [BM, 64] x 2 chunks) and the counter's word
+        x_stages = variant[8]
+        assert got["mma"] == 0 and got["wgmma"] == 4 * (bn // (16 * nw)) * 2 * (2 * prefetch + 1)
+        assert got["ld_shared"] == 1 and got["st_shared"] == 1 and got["cp_async"] >= 1
+        assert 2 * x_stages * bm * 64 * 2 <= got["shared"] <= 2 * x_stages * bm * 64 * 2 + 16
+    elif variant[6]:  # x_smem: two stages of x [BM, 128] copied in by cp.async, read back, no weights staged
         assert got["cp_async"] >= 1 and got["ld_shared"] > 1 and 2 * bm * 128 * 2 <= got["shared"] <= 2 * bm * 256 + 16
     else:
         assert got["ld_shared"] == 1 and got["st_shared"] == 1 and got["shared"] <= 16

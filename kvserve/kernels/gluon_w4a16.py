@@ -49,10 +49,12 @@ try:  # (triton >= 3.4)
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
     _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # (triton 3.6: thread_barrier; 3.9: barrier)
     _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared  # (3.9 / 3.6)
 except (ImportError, AttributeError):  # pragma: no cover (a triton without Gluon, or another Gluon API)
     gluon = gl = async_copy = mma_v2 = _cta_barrier = _cp_async = None
+    fence_async_shared = warpgroup_mma = warpgroup_mma_wait = None
 
 MAX_M = 64  # batch rows w4a16_linear gives this kernel (H200 at 64: 1.03-1.09x cuBLAS, the Triton kernel 0.72-0.83x)
 
@@ -62,6 +64,12 @@ def available(device: torch.device) -> bool:
     """Whether this kernel runs on ``device``: CUDA with sm_80+ and a triton with Gluon."""
     return (gluon is not None and device.type == "cuda"
             and torch.cuda.get_device_capability(device) >= (8, 0))
+
+
+@functools.lru_cache(maxsize=None)
+def wgmma_available(device: torch.device) -> bool:
+    """Whether ``GluonTiles.wgmma`` runs on ``device``: sm_90 (warpgroup MMAs are sm_90a only)."""
+    return available(device) and torch.cuda.get_device_capability(device) == (9, 0)
 
 
 @dataclass(frozen=True)
@@ -79,6 +87,8 @@ class GluonTiles:
     prefetch: int = 1  # pairs of chunks whose weights are loaded ahead of the one multiplied (1-3)
     x_smem: bool = False  # x through shared memory (cp.async a pair ahead, one copy for all warps; K % 128 == 0)
     split: int | None = None
+    wgmma: bool = False  # sm_90 warpgroup MMAs (K = 64, x permuted by ``mma_order`` as B in shared memory)
+    x_stages: int = 3  # with wgmma: pairs of x in shared memory (x_stages - 1 copies in flight)
 
 
 def default_tiles(m: int) -> GluonTiles:
@@ -127,6 +137,15 @@ def _layouts(block_n: int, block_m: int, num_warps: int) -> tuple:
     return pair, scales, chunk, acts
 
 
+def mma_order(x2: torch.Tensor, n_pairs: int) -> torch.Tensor:
+    """x [M, K] -> [M, 128 n_pairs] (zeros past K) with each chunk of 64 features in the MMA's k order:
+    position 16 j + 8 h + 2 q + e holds feature 16 q + 4 j + 2 h + e (the wgmma path's B operand)."""
+    m, k = x2.shape
+    if k != 128 * n_pairs:
+        x2 = torch.nn.functional.pad(x2, (0, 128 * n_pairs - k))
+    return x2.reshape(m, 2 * n_pairs, 4, 4, 2, 2).permute(0, 1, 3, 4, 2, 5).reshape(m, 128 * n_pairs)
+
+
 @functools.lru_cache(maxsize=None)
 def _x_smem_layouts(block_m: int, num_warps: int) -> tuple:
     """With ``x_smem``: the copy layout of a pair of x [BM, 128] (16 bytes a thread) and the register
@@ -137,6 +156,11 @@ def _x_smem_layouts(block_m: int, num_warps: int) -> tuple:
         lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]],
         warp_bases=[[0, 0]] * len(_bits(num_warps)), block_bases=[], shape=[block_m, 64])
     return copy, read
+
+
+def _x_chunk_copy_layout(num_warps: int):
+    """With wgmma: the copy layout of a chunk of permuted x [BM, 64] (16 bytes a thread, 4 x num_warps rows a step)."""
+    return gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
 
 
 if gluon is not None:
@@ -167,14 +191,28 @@ if gluon is not None:
         return x0, x1, x2, x3
 
     @gluon.jit
-    def _operand(w_j, BLOCK_N: gl.constexpr, A: gl.constexpr):
-        """Step j's decoded weights [BN, 4 q, 2 h, 2 e] -> the A operand, column 8h + 2q + e."""
-        return gl.convert_layout(gl.reshape(gl.permute(w_j, [0, 2, 1, 3]), [BLOCK_N, 16]), A)
+    def _step_cols(w_j, BLOCK_N: gl.constexpr):
+        """Step j's decoded weights [BN, 4 q, 2 h, 2 e] -> [BN, 16], column 8h + 2q + e (the MMA's k)."""
+        return gl.reshape(gl.permute(w_j, [0, 2, 1, 3]), [BLOCK_N, 16])
 
     @gluon.jit
-    def _chunk_mma(acc, w, s, x, FP16: gl.constexpr, A: gl.constexpr, B: gl.constexpr,
-                   CHUNK_L: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr):
-        """acc += one chunk: codes [BN, 4, 2, 2] int16, their scale pairs [BN, 4], activations [4, 16, BM]."""
+    def _operand(w_j, BLOCK_N: gl.constexpr, A: gl.constexpr):
+        """Step j's decoded weights [BN, 4 q, 2 h, 2 e] -> the A operand of one k16 MMA."""
+        return gl.convert_layout(_step_cols(w_j, BLOCK_N), A)
+
+    @gluon.jit
+    def _chunk_operand(w, s, FP16: gl.constexpr, CHUNK_L: gl.constexpr, BLOCK_N: gl.constexpr, A: gl.constexpr):
+        """A chunk's codes and scale pairs -> the A operand [BN, 64] of one K = 64 wgmma, column 16 j + 8 h
+        + 2 q + e (x is permuted to the same order, ``mma_order``)."""
+        w0, w1, w2, w3 = _decode_chunk(w, s, FP16, CHUNK_L)
+        j01 = gl.join(_step_cols(w0, BLOCK_N), _step_cols(w1, BLOCK_N))  # [BN, 16 c, 2 j0]
+        j23 = gl.join(_step_cols(w2, BLOCK_N), _step_cols(w3, BLOCK_N))
+        a = gl.permute(gl.join(j01, j23), [0, 3, 2, 1])  # [BN, j1, j0, c]
+        return gl.convert_layout(gl.reshape(a, [BLOCK_N, 64]), A)
+
+    @gluon.jit
+    def _decode_chunk(w, s, FP16: gl.constexpr, CHUNK_L: gl.constexpr):
+        """A chunk's codes [BN, 4, 2, 2] int16 and scale pairs [BN, 4] -> its four k16 steps' weights."""
         w = gl.convert_layout(w, CHUNK_L)
         s = gl.convert_layout(s, gl.SliceLayout(2, gl.SliceLayout(3, CHUNK_L)))
         s = gl.expand_dims(gl.expand_dims(s, 2), 3).broadcast_to(w.shape)
@@ -186,6 +224,13 @@ if gluon is not None:
             w0, w1, w2, w3 = gl.inline_asm_elementwise(
                 _DECODE_BF16, "=r,=r,=r,=r,r,r,r", [w, s],
                 dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16), is_pure=True, pack=2)
+        return w0, w1, w2, w3
+
+    @gluon.jit
+    def _chunk_mma(acc, w, s, x, FP16: gl.constexpr, A: gl.constexpr, B: gl.constexpr,
+                   CHUNK_L: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr):
+        """acc += one chunk: codes [BN, 4, 2, 2] int16, their scale pairs [BN, 4], activations [4, 16, BM]."""
+        w0, w1, w2, w3 = _decode_chunk(w, s, FP16, CHUNK_L)
         x0, x1, x2, x3 = _steps_of_x(x, BLOCK_M, B)
         acc = mma_v2(_operand(w0, BLOCK_N, A), x0, acc)
         acc = mma_v2(_operand(w1, BLOCK_N, A), x1, acc)
@@ -206,9 +251,9 @@ if gluon is not None:
         async_copy.commit_group()
 
     @gluon.jit
-    def _pair_mma(acc, w, s, xa, xb, FP16: gl.constexpr, A: gl.constexpr, B: gl.constexpr,
-                  CHUNK_L: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr):
-        """acc += one pair: codes [BN, 4 q, 4 words] int32, scales [BN, 4 q] int16, each chunk's activations."""
+    def _split_pair(w, s, FP16: gl.constexpr, BLOCK_N: gl.constexpr):
+        """A pair's codes [BN, 4 q, 4 words] int32 and scales [BN, 4 q] int16 -> each chunk's codes
+        [BN, 4, 2, 2] int16 and scale pairs (the decode's scale operands)."""
         w16 = gl.join((w & 0xFFFF).to(gl.int16), (w >> 16).to(gl.int16))  # [BN, 4, (cc, h), e]
         w0, w1 = gl.split(gl.permute(gl.reshape(w16, [BLOCK_N, 4, 2, 2, 2]), [0, 1, 3, 4, 2]))
         if FP16:
@@ -217,6 +262,13 @@ if gluon is not None:
         else:
             s0, s1 = gl.inline_asm_elementwise(_PAIR_SCALES_BF16, "=r,=r,r", [s.to(gl.int32) & 0xFFFF],
                                                dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
+        return w0, s0, w1, s1
+
+    @gluon.jit
+    def _pair_mma(acc, w, s, xa, xb, FP16: gl.constexpr, A: gl.constexpr, B: gl.constexpr,
+                  CHUNK_L: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr):
+        """acc += one pair: codes [BN, 4 q, 4 words] int32, scales [BN, 4 q] int16, each chunk's activations."""
+        w0, s0, w1, s1 = _split_pair(w, s, FP16, BLOCK_N)
         acc = _chunk_mma(acc, w0, s0, xa, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M)
         return _chunk_mma(acc, w1, s1, xb, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M)
 
@@ -227,24 +279,56 @@ if gluon is not None:
         return gl.load(w_rows + at * stride_wp), gl.load(s_rows + at * stride_sp)
 
     @gluon.jit
+    def _copy_x_chunks(x_smem, stage, x_from, k0):
+        """cp.async the pair of permuted x from feature k0 into ``stage`` (its chunks: buffers 2 stage
+        and 2 stage + 1, [BM, 64] each), one group."""
+        _cp_async(x_smem.index(2 * stage), x_from + k0)
+        _cp_async(x_smem.index(2 * stage + 1), x_from + (k0 + 64))
+        async_copy.commit_group()
+
+    @gluon.jit
+    def _pair_wgmma(acc, w, s, pair, p_begin, p_end, x_from, x_smem, X_STAGES: gl.constexpr, FP16: gl.constexpr,
+                    A: gl.constexpr, CHUNK_L: gl.constexpr, BLOCK_N: gl.constexpr):
+        """acc += pair ``pair`` by two K = 64 wgmmas: A the weights decoded in registers, B this pair's
+        stage of permuted x in shared memory (copied X_STAGES - 1 pairs ago; the copy X_STAGES - 1 pairs
+        ahead starts here, into the stage the previous pair read)."""
+        w0, s0, w1, s1 = _split_pair(w, s, FP16, BLOCK_N)
+        a0 = _chunk_operand(w0, s0, FP16, CHUNK_L, BLOCK_N, A)
+        a1 = _chunk_operand(w1, s1, FP16, CHUNK_L, BLOCK_N, A)
+        stage = (pair - p_begin) % X_STAGES
+        async_copy.wait_group(X_STAGES - 2)  # this pair's copy has landed, for this thread
+        fence_async_shared()  # (the copy's generic-proxy writes before the wgmma's async-proxy reads)
+        _cta_barrier()  # ... for every thread; and every warpgroup's wgmma of the last pair is done
+        _copy_x_chunks(x_smem, (stage + X_STAGES - 1) % X_STAGES, x_from,
+                       gl.minimum(pair + X_STAGES - 1, p_end - 1) * 128)
+        acc = warpgroup_mma(a0, x_smem.index(2 * stage).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma(a1, x_smem.index(2 * stage + 1).permute((1, 0)), acc, is_async=True)
+        return warpgroup_mma_wait(0, deps=[acc])
+
+    @gluon.jit
     def _pair_step(acc, w, s, pair, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K, EVEN_K: gl.constexpr,
-                   X_SMEM: gl.constexpr, FP16: gl.constexpr, A: gl.constexpr, B: gl.constexpr,
-                   CHUNK_L: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, XS_L: gl.constexpr,
-                   ACT_L: gl.constexpr):
+                   X_SMEM: gl.constexpr, WGMMA: gl.constexpr, X_STAGES: gl.constexpr, FP16: gl.constexpr,
+                   A: gl.constexpr, B: gl.constexpr, CHUNK_L: gl.constexpr, BLOCK_N: gl.constexpr,
+                   BLOCK_M: gl.constexpr, XS_L: gl.constexpr, ACT_L: gl.constexpr):
         """acc += pair ``pair`` (codes w, scales s already in registers), its x from global memory or,
-        with X_SMEM, from the stage copied a pair ago (the next pair's copy started here)."""
-        if X_SMEM:
-            stage = (pair - p_begin) % 2
-            _cta_barrier()  # every warp has read the stage the next copy overwrites
-            _copy_x(x_smem.index(1 - stage), x_from, gl.minimum(pair + 1, p_end - 1) * 128)
-            async_copy.wait_group(1)  # this pair's copy (the one before) has landed, for this thread
-            _cta_barrier()  # ... and for every thread
-            xa = _smem_x(x_smem.index(stage), 0, BLOCK_M, XS_L, ACT_L)
-            xb = _smem_x(x_smem.index(stage), 64, BLOCK_M, XS_L, ACT_L)
+        with X_SMEM, from the stage copied a pair ago (the next pair's copy started here); with WGMMA
+        by ``_pair_wgmma``."""
+        if WGMMA:
+            acc = _pair_wgmma(acc, w, s, pair, p_begin, p_end, x_from, x_smem, X_STAGES, FP16, A, CHUNK_L, BLOCK_N)
         else:
-            xa = _load_x(x_cols, x_feat, pair * 128, K, EVEN_K)
-            xb = _load_x(x_cols, x_feat, pair * 128 + 64, K, EVEN_K)
-        return _pair_mma(acc, w, s, xa, xb, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M)
+            if X_SMEM:
+                stage = (pair - p_begin) % 2
+                _cta_barrier()  # every warp has read the stage the next copy overwrites
+                _copy_x(x_smem.index(1 - stage), x_from, gl.minimum(pair + 1, p_end - 1) * 128)
+                async_copy.wait_group(1)  # this pair's copy (the one before) has landed, for this thread
+                _cta_barrier()  # ... and for every thread
+                xa = _smem_x(x_smem.index(stage), 0, BLOCK_M, XS_L, ACT_L)
+                xb = _smem_x(x_smem.index(stage), 64, BLOCK_M, XS_L, ACT_L)
+            else:
+                xa = _load_x(x_cols, x_feat, pair * 128, K, EVEN_K)
+                xb = _load_x(x_cols, x_feat, pair * 128 + 64, K, EVEN_K)
+            acc = _pair_mma(acc, w, s, xa, xb, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M)
+        return acc
 
     @gluon.constexpr_function
     def _fixup_width(block_n, block_m, num_warps):
@@ -262,6 +346,55 @@ if gluon is not None:
         part = gl.load(part_ptr + q_slot * TILE + part_at, cache_modifier=".cg")
         return gl.where(q <= q_last, part, 0.0)
 
+    @gluon.jit
+    def _finish_tile(acc, g_ptr, y_ptr, part_ptr, lock_ptr, M, N, n0, m0, p, first, tile, p_begin, p_end, n_pairs,
+                     units, programs, stride_ym, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
+                     NUM_WARPS: gl.constexpr, ACC_L: gl.constexpr):
+        """Store a tile's accumulator [BN, BM] (layout ACC_L) times the row scales as y^T, or, for a part
+        of the tile (pairs [p_begin, p_end) of n_pairs), write it to program p's slot (0 if it is the
+        program's first unit, else 1); the tile's last program to arrive sums the parts in program order
+        (see triton_w4a16._w4a16_kernel) and stores the tile."""
+        on = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ACC_L))
+        om = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, ACC_L))
+        rn = n0 + on
+        rm = m0 + om
+        y_ok = gl.expand_dims(rn < N, 1) & gl.expand_dims(rm < M, 0)
+        g = gl.load(g_ptr + gl.minimum(rn, N - 1))
+        y_at = y_ptr + gl.expand_dims(rm.to(gl.int64) * stride_ym, 0) + gl.expand_dims(rn, 1)
+        if p_begin == 0 and p_end == n_pairs:  # the whole tile
+            gl.store(y_at, (acc * gl.expand_dims(g, 1)).to(y_ptr.dtype.element_ty), mask=y_ok)
+        else:
+            part_at = gl.expand_dims(on, 1) * BLOCK_M + gl.expand_dims(om, 0)
+            slot = part_ptr + (p * 2 + 1 - first.to(gl.int32)).to(gl.int64) * (BLOCK_N * BLOCK_M) + part_at
+            gl.store(slot, acc)
+            _cta_barrier()
+            t_lo, t_hi = tile * n_pairs, tile * n_pairs + n_pairs
+            q_first = ((t_lo + 1).to(gl.int64) * programs + units - 1) // units - 1
+            q_last = (t_hi.to(gl.int64) * programs + units - 1) // units - 1
+            arrived = gl.atomic_add(lock_ptr + tile, 1, sem="acq_rel")
+            if arrived == q_last - q_first:
+                total = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, ACC_L)
+                FIX: gl.constexpr = _fixup_width(BLOCK_N, BLOCK_M, NUM_WARPS)
+                for q in range(q_first, q_last + 1, FIX):  # FIX parts' loads in flight at once, summed in order
+                    part_0 = _part_of(q, q_last, tile, units, programs, n_pairs, part_ptr, part_at,
+                                      BLOCK_N * BLOCK_M)
+                    if FIX >= 2:
+                        part_1 = _part_of(q + 1, q_last, tile, units, programs, n_pairs, part_ptr, part_at,
+                                          BLOCK_N * BLOCK_M)
+                    if FIX >= 4:
+                        part_2 = _part_of(q + 2, q_last, tile, units, programs, n_pairs, part_ptr, part_at,
+                                          BLOCK_N * BLOCK_M)
+                        part_3 = _part_of(q + 3, q_last, tile, units, programs, n_pairs, part_ptr, part_at,
+                                          BLOCK_N * BLOCK_M)
+                    total += part_0
+                    if FIX >= 2:
+                        total += part_1
+                    if FIX >= 4:
+                        total += part_2
+                        total += part_3
+                gl.atomic_xchg(lock_ptr + tile, 0)
+                gl.store(y_at, (total * gl.expand_dims(g, 1)).to(y_ptr.dtype.element_ty), mask=y_ok)
+
     @gluon.jit(do_not_specialize=["M", "N", "K", "n_pairs", "tiles_n", "units", "programs"])
     def _w4a16_mma_kernel(
         x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, part_ptr, lock_ptr,
@@ -270,11 +403,16 @@ if gluon is not None:
         BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, NUM_WARPS: gl.constexpr, FP16: gl.constexpr,
         EVEN_K: gl.constexpr, PREFETCH: gl.constexpr, X_SMEM: gl.constexpr, PAIR_L: gl.constexpr, SCALE_L: gl.constexpr,
         CHUNK_L: gl.constexpr,
-        ACT_L: gl.constexpr, XCP_L: gl.constexpr, XS_L: gl.constexpr,
+        ACT_L: gl.constexpr, XCP_L: gl.constexpr, XS_L: gl.constexpr, WGMMA: gl.constexpr, X_STAGES: gl.constexpr,
     ):
-        """Program p takes units [p U / P, (p + 1) U / P) of U = tiles x pairs (tile-major)."""
-        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                      instr_shape=[16, 8])
+        """Program p takes units [p U / P, (p + 1) U / P) of U = tiles x pairs (tile-major). With WGMMA,
+        x is the permuted copy (``mma_order``, K a multiple of 128) and X_STAGES of its pairs are staged."""
+        if WGMMA:
+            MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                          instr_shape=[16, BLOCK_M, 16])
+        else:
+            MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                          instr_shape=[16, 8])
         A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
         B: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
         p = gl.program_id(0)
@@ -291,9 +429,13 @@ if gluon is not None:
         xf = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, ACT_L)))
         xm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, gl.SliceLayout(1, ACT_L)))
         x_feat = gl.expand_dims(gl.expand_dims(xq * 16, 1), 2) + gl.expand_dims(gl.expand_dims(xf, 0), 2)
-        on = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
-        om = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
-        if X_SMEM:  # [2 stages, BM, 128 features]: 16-byte pieces, swizzled by row (conflict-free reads)
+        if WGMMA:  # [X_STAGES x 2 chunks, BM, 64 features]: the wgmma's B operand layout (128-byte swizzle)
+            x_smem = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [2 * X_STAGES, BLOCK_M, 64],
+                                               gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
+                                                                    rank=2))
+            cm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, XCP_L))
+            cf = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, XCP_L)), 0)
+        elif X_SMEM:  # [2 stages, BM, 128 features]: 16-byte pieces, swizzled by row (conflict-free reads)
             x_smem = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [2, BLOCK_M, 128],
                                                gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0]))
             cm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, XCP_L))
@@ -314,7 +456,12 @@ if gluon is not None:
             x_cols = x_ptr + (x_feat + gl.expand_dims(gl.expand_dims(x_rows * stride_xm, 0), 1))
             acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
             x_from = 0
-            if X_SMEM:
+            if WGMMA:
+                x_from = x_ptr + (gl.expand_dims(gl.minimum(m0 + cm, M - 1).to(gl.int64) * stride_xm, 1) + cf)
+                _cta_barrier()  # the last tile's wgmmas are done in every warpgroup
+                for st in gl.static_range(X_STAGES - 1):  # the first X_STAGES - 1 pairs' copies
+                    _copy_x_chunks(x_smem, st, x_from, gl.minimum(p_begin + st, p_end - 1) * 128)
+            elif X_SMEM:
                 x_from = x_ptr + (gl.expand_dims(gl.minimum(m0 + cm, M - 1).to(gl.int64) * stride_xm, 1) + cf)
                 _cta_barrier()  # the last tile's reads of both stages are done
                 _copy_x(x_smem.index(0), x_from, p_begin * 128)
@@ -334,72 +481,42 @@ if gluon is not None:
                 w3, s3 = _load_w(w_rows, s_rows, p_begin + 3, p_last, stride_wp, stride_sp)
             for _ in range(blocks):
                 acc = _pair_step(acc, w0, s0, pair, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K, EVEN_K,
-                                 X_SMEM, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L, ACT_L)
+                                 X_SMEM, WGMMA, X_STAGES, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L,
+                                 ACT_L)
                 w0, s0 = _load_w(w_rows, s_rows, pair + D, p_last, stride_wp, stride_sp)
                 acc = _pair_step(acc, w1, s1, pair + 1, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K, EVEN_K,
-                                 X_SMEM, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L, ACT_L)
+                                 X_SMEM, WGMMA, X_STAGES, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L,
+                                 ACT_L)
                 w1, s1 = _load_w(w_rows, s_rows, pair + 1 + D, p_last, stride_wp, stride_sp)
                 if D >= 3:
                     acc = _pair_step(acc, w2, s2, pair + 2, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K,
-                                     EVEN_K, X_SMEM, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L, ACT_L)
+                                     EVEN_K, X_SMEM, WGMMA, X_STAGES, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L,
+                                 ACT_L)
                     w2, s2 = _load_w(w_rows, s_rows, pair + 2 + D, p_last, stride_wp, stride_sp)
                 if D >= 4:
                     acc = _pair_step(acc, w3, s3, pair + 3, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K,
-                                     EVEN_K, X_SMEM, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L, ACT_L)
+                                     EVEN_K, X_SMEM, WGMMA, X_STAGES, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L,
+                                 ACT_L)
                     w3, s3 = _load_w(w_rows, s_rows, pair + 3 + D, p_last, stride_wp, stride_sp)
                 pair += D
             if pair < p_end:  # the last (p_end - p_begin) % D pairs, already loaded
                 acc = _pair_step(acc, w0, s0, pair, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K, EVEN_K,
-                                 X_SMEM, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L, ACT_L)
+                                 X_SMEM, WGMMA, X_STAGES, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L,
+                                 ACT_L)
             if D >= 3:
                 if pair + 1 < p_end:
                     acc = _pair_step(acc, w1, s1, pair + 1, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K,
-                                     EVEN_K, X_SMEM, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L, ACT_L)
+                                     EVEN_K, X_SMEM, WGMMA, X_STAGES, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L,
+                                 ACT_L)
             if D >= 4:
                 if pair + 2 < p_end:
                     acc = _pair_step(acc, w2, s2, pair + 2, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K,
-                                     EVEN_K, X_SMEM, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L, ACT_L)
-            if X_SMEM:
-                async_copy.wait_group(0)  # the loop's last (redundant) copy, before the next tile's
-            rn = n0 + on
-            rm = m0 + om
-            y_ok = gl.expand_dims(rn < N, 1) & gl.expand_dims(rm < M, 0)
-            g = gl.load(g_ptr + gl.minimum(rn, N - 1))
-            y_at = y_ptr + gl.expand_dims(rm.to(gl.int64) * stride_ym, 0) + gl.expand_dims(rn, 1)
-            if p_begin == 0 and p_end == n_pairs:  # the whole tile
-                gl.store(y_at, (acc * gl.expand_dims(g, 1)).to(y_ptr.dtype.element_ty), mask=y_ok)
-            else:  # a part (see triton_w4a16._w4a16_kernel): the tile's last program sums them in order
-                first = (u == u_lo).to(gl.int32)
-                part_at = gl.expand_dims(on, 1) * BLOCK_M + gl.expand_dims(om, 0)
-                slot = part_ptr + (p * 2 + 1 - first).to(gl.int64) * (BLOCK_N * BLOCK_M) + part_at
-                gl.store(slot, acc)
-                _cta_barrier()
-                t_lo, t_hi = tile * n_pairs, tile * n_pairs + n_pairs
-                q_first = ((t_lo + 1).to(gl.int64) * programs + units - 1) // units - 1
-                q_last = (t_hi.to(gl.int64) * programs + units - 1) // units - 1
-                arrived = gl.atomic_add(lock_ptr + tile, 1, sem="acq_rel")
-                if arrived == q_last - q_first:
-                    total = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
-                    FIX: gl.constexpr = _fixup_width(BLOCK_N, BLOCK_M, NUM_WARPS)
-                    for q in range(q_first, q_last + 1, FIX):  # FIX parts' loads in flight at once, summed in order
-                        part_0 = _part_of(q, q_last, tile, units, programs, n_pairs, part_ptr, part_at,
-                                          BLOCK_N * BLOCK_M)
-                        if FIX >= 2:
-                            part_1 = _part_of(q + 1, q_last, tile, units, programs, n_pairs, part_ptr, part_at,
-                                              BLOCK_N * BLOCK_M)
-                        if FIX >= 4:
-                            part_2 = _part_of(q + 2, q_last, tile, units, programs, n_pairs, part_ptr, part_at,
-                                              BLOCK_N * BLOCK_M)
-                            part_3 = _part_of(q + 3, q_last, tile, units, programs, n_pairs, part_ptr, part_at,
-                                              BLOCK_N * BLOCK_M)
-                        total += part_0
-                        if FIX >= 2:
-                            total += part_1
-                        if FIX >= 4:
-                            total += part_2
-                            total += part_3
-                    gl.atomic_xchg(lock_ptr + tile, 0)
-                    gl.store(y_at, (total * gl.expand_dims(g, 1)).to(y_ptr.dtype.element_ty), mask=y_ok)
+                                     EVEN_K, X_SMEM, WGMMA, X_STAGES, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L,
+                                 ACT_L)
+            if X_SMEM or WGMMA:
+                async_copy.wait_group(0)  # the loop's last (redundant) copies, before the next tile's
+            _finish_tile(acc, g_ptr, y_ptr, part_ptr, lock_ptr, M, N, n0, m0, p, u == u_lo, tile, p_begin, p_end,
+                         n_pairs, units, programs, stride_ym, BLOCK_N, BLOCK_M, NUM_WARPS, MMA)
             u += p_end - p_begin
 
 
@@ -410,21 +527,28 @@ def w4a16_mma_matmul(x2: torch.Tensor, weight: tw.W4A16Weight, y: torch.Tensor,
     m, k = x2.shape
     n = weight.out_features
     t = tiles or default_tiles(m)
-    if (t.block_m not in (8, 16, 32, 64) or t.block_n % (16 * t.num_warps) or t.num_warps not in (1, 2, 4, 8)
-            or t.prefetch not in (1, 2, 3) or (t.x_smem and 2 * t.num_warps > t.block_m)
-            or (t.split is not None and t.split < 0)):
+    if (t.block_m not in (8, 16, 32, 64) + ((128, 256) if t.wgmma else ()) or t.block_n % (16 * t.num_warps)
+            or t.num_warps not in (1, 2, 4, 8) or t.prefetch not in (1, 2, 3) or (t.x_smem and 2 * t.num_warps > t.block_m)
+            or (t.split is not None and t.split < 0)
+            or (t.wgmma and (t.num_warps % 4 or t.block_m < 4 * t.num_warps or t.x_stages not in (2, 3, 4)))):
         raise ValueError(f"w4a16_mma_matmul: {t} needs block_m in 8, 16, 32, 64, block_n a multiple of "
                          f"16 x num_warps, num_warps in 1, 2, 4, 8 and prefetch 1, 2 or 3 (x_smem: block_m >= 2 x "
-                         f"num_warps; split None or >= 0)")
+                         f"num_warps; split None or >= 0; wgmma: block_m up to 256 and >= 4 x num_warps, num_warps "
+                         f"4 or 8, x_stages 2, 3 or 4)")
     n_pairs = weight.codes.shape[1]
+    if t.wgmma:
+        x2 = mma_order(x2, n_pairs)
     tiles_n, tiles_m = triton.cdiv(n, t.block_n), triton.cdiv(m, t.block_m)
     n_tiles = tiles_n * tiles_m
     units = n_tiles * n_pairs
     pair_l, scale_l, chunk_l, act_l = _layouts(t.block_n, t.block_m, t.num_warps)
     xcp_l, xs_l = _x_smem_layouts(t.block_m, t.num_warps)
+    if t.wgmma:
+        xcp_l = _x_chunk_copy_layout(t.num_warps)
     meta = dict(BLOCK_N=t.block_n, BLOCK_M=t.block_m, NUM_WARPS=t.num_warps, FP16=x2.dtype == torch.float16,
-                EVEN_K=k % 128 == 0, PREFETCH=t.prefetch, X_SMEM=t.x_smem and k % 128 == 0, XCP_L=xcp_l, XS_L=xs_l,
-                PAIR_L=pair_l, SCALE_L=scale_l, CHUNK_L=chunk_l, ACT_L=act_l, num_warps=t.num_warps)
+                EVEN_K=k % 128 == 0 or t.wgmma, PREFETCH=t.prefetch, X_SMEM=t.x_smem and k % 128 == 0 and not t.wgmma,
+                XCP_L=xcp_l, XS_L=xs_l, PAIR_L=pair_l, SCALE_L=scale_l, CHUNK_L=chunk_l, ACT_L=act_l,
+                WGMMA=t.wgmma, X_STAGES=t.x_stages, num_warps=t.num_warps)
     codes, scales = weight.codes.view(torch.int32), weight.scales.view(torch.int16)  # [N, pair, 16 / 4]
 
     def args(programs: int, part: torch.Tensor, lock: torch.Tensor) -> list:
