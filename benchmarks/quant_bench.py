@@ -95,12 +95,13 @@ def sweep_tiles(m: int) -> list:
     from kvserve.kernels import gluon_w4a16 as g
     from kvserve.kernels.triton_w4a16 import W4A16Tiles
 
-    wgmma = []  # the Gluon kernel's warpgroup MMAs (sm_90): a 64-row warpgroup a block of weight rows
-    if m > 32 and g.wgmma_available(torch.device(DEV)):
+    wgmma = []  # the Gluon kernel's warpgroup MMAs (sm_90): a 64-row warpgroup a block of weight rows;
+    if m > 8 and g.wgmma_available(torch.device(DEV)):  # up to 64 rows x also gathered in MMA order by the kernel
         T = g.GluonTiles
-        bm = 64 if m <= 64 else 128
-        wgmma = ([T(64, bm, 4, None, pf, False, sp, wgmma=True, x_stages=st) for pf in (1, 2) for st in (3, 4)
-                  for sp in (None, 0)]
+        bm = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
+        gathers = (True, False) if bm <= 64 else (False,)
+        wgmma = ([T(64, bm, 4, None, pf, False, sp, wgmma=True, x_stages=st, x_gather=ga) for ga in gathers
+                  for pf in (1, 2) for st in (3, 4) for sp in (None, 0)]
                  + [T(128, bm, 8, None, pf, False, sp, wgmma=True, x_stages=3) for pf in (1, 2) for sp in (None, 0)]
                  + [T(64, bm, 4, None, 1, False, 1, wgmma=True, x_stages=3)])
     if m <= g.MAX_M and g.available(torch.device(DEV)):  # the Gluon kernel's grid: stream-K, then split-K

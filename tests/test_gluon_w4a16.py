@@ -73,27 +73,30 @@ def test_gluon_w4a16_tiles_and_stream_k(tiles):
 
 
 @gpu
-@pytest.mark.parametrize("tiles", [(64, 128, 4, None, 2, None, 3), (128, 128, 8, None, 1, 0, 3),
-                                   (64, 64, 4, None, 1, 1, 2), (64, 128, 4, 1, 2, None, 4),
-                                   (128, 64, 8, None, 2, 3, 4), (64, 256, 4, None, 1, None, 2)],
+@pytest.mark.parametrize("tiles", [(64, 128, 4, None, 2, None, 3, False), (128, 128, 8, None, 1, 0, 3, False),
+                                   (64, 64, 4, None, 1, 1, 2, False), (64, 128, 4, 1, 2, None, 4, False),
+                                   (128, 64, 8, None, 2, 3, 4, False), (64, 256, 4, None, 1, None, 2, False),
+                                   (64, 32, 4, None, 2, 0, 3, True), (64, 16, 4, None, 3, None, 4, True),
+                                   (128, 64, 8, None, 1, None, 3, True)],
                          ids=lambda t: "x".join(map(str, t)))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gluon_w4a16_wgmma(tiles, dtype):
-    """The warpgroup-MMA path (sm_90): batch tiles 64-256, one or two warpgroups, stream-K (one or
+    """The warpgroup-MMA path (sm_90): batch tiles 16-256, one or two warpgroups, stream-K (one or
     more programs an SM), split-K (1, 3, a wave's worth), 2-4 x stages; M, N not multiples of the
-    tile and K not of 128 (x zero-padded by ``mma_order``): within the float64 bound, the same bits
-    on a second call, the tile counters back at zero."""
+    tile and K not of 128 (x zero-padded by ``mma_order``), or, with ``x_gather``, K a multiple of
+    128 and x put in MMA order by the kernel: within the float64 bound, the same bits on a second
+    call, the tile counters back at zero."""
     from kvserve.kernels import gluon_w4a16 as g
     from kvserve.kernels import triton_w4a16 as tw
 
     if not g.wgmma_available(torch.device("cuda")):
         pytest.skip("warpgroup MMAs need sm_90")
-    bn, bm, nw, per_sm, prefetch, split, x_stages = tiles
-    m, n, k = 2 * bm - 3, 3 * bn + 5, 1152 + 64
+    bn, bm, nw, per_sm, prefetch, split, x_stages, x_gather = tiles
+    m, n, k = 2 * bm - 3, 3 * bn + 5, 1152 + (0 if x_gather else 64)
     (packed, block_scale, s2), gen = _quantized(n, k, bn + bm + nw + x_stages)
     x = torch.randn(m, k, generator=gen).to(dtype)
     wt = tw.pack_w4a16(packed.cuda(), block_scale.cuda(), s2.cuda())
-    t = g.GluonTiles(bn, bm, nw, per_sm, prefetch, False, split, wgmma=True, x_stages=x_stages)
+    t = g.GluonTiles(bn, bm, nw, per_sm, prefetch, False, split, wgmma=True, x_stages=x_stages, x_gather=x_gather)
     y = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
     g.w4a16_mma_matmul(x.cuda(), wt, y, t)
     assert _bound_ok(y.cpu(), x, _exact(packed, block_scale, s2))
@@ -185,7 +188,7 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from kvserve.kernels import gluon_w4a16 as g
 
-bn, bm, nw, fp16, even_k, prefetch, x_smem, wgmma, x_stages = json.loads(sys.argv[1])
+bn, bm, nw, fp16, even_k, prefetch, x_smem, wgmma, x_stages, x_gather = json.loads(sys.argv[1])
 if g.gluon is None:
     print(json.dumps(None))
     sys.exit()
@@ -197,10 +200,10 @@ sig = {"x_ptr": f"*{ty}", "w_ptr": "*i32", "s_ptr": "*i16", "g_ptr": "*fp32", "y
 pair, scales, chunk, acts = g._layouts(bn, bm, nw)
 xcp, xs = g._x_smem_layouts(bm, nw)
 if wgmma:
-    xcp = g._x_chunk_copy_layout(nw)
+    xcp = g._x_chunk_copy_layout(nw, x_gather)
 consts = dict(BLOCK_N=bn, BLOCK_M=bm, NUM_WARPS=nw, FP16=fp16, EVEN_K=even_k, PREFETCH=prefetch, X_SMEM=x_smem,
               PAIR_L=pair, SCALE_L=scales, CHUNK_L=chunk, ACT_L=acts, XCP_L=xcp, XS_L=xs, WGMMA=wgmma,
-              X_STAGES=x_stages)
+              X_STAGES=x_stages, X_GATHER=x_gather)
 aligned = ("x_ptr", "w_ptr", "s_ptr", "g_ptr", "y_ptr", "part_ptr", "lock_ptr", "stride_xm", "stride_wn", "stride_wp",
            "stride_ym")  # as the launcher specializes them (16-byte aligned tensors, strides multiples of 16)
 attrs = {(list(sig).index(a),): [["tt.divisibility", 16]] for a in aligned}
@@ -210,27 +213,32 @@ ptx = k.asm["ptx"]
 print(json.dumps({"mma": ptx.count("mma.sync.aligned.m16n8k16"), "ld_shared": ptx.count("ld.shared"),
                   "wgmma": ptx.count("wgmma.mma_async.sync.aligned.m64n%dk16.f32" % bm),
                   "cp_async": ptx.count("cp.async.cg.shared.global"),
+                  "cp_async_4": sum(1 for line in ptx.splitlines()
+                                    if "cp.async.ca.shared.global" in line and line.rstrip().endswith("0x4, 0x4;")),
                   "st_shared": ptx.count("st.shared"), "shared": k.metadata.shared,
                   "local": ptx.count("ld.local") + ptx.count("st.local")}))
 """
 
 
-@pytest.mark.parametrize("variant", [(128, 8, 4, False, True, 2, False, False, 2),
-                                     (64, 32, 2, True, False, 2, False, False, 2),
-                                     (128, 16, 8, False, True, 3, False, False, 2),
-                                     (64, 32, 2, False, True, 2, True, False, 2),
-                                     (64, 8, 4, False, True, 3, False, False, 2),
-                                     (64, 128, 4, False, True, 2, False, True, 3),
-                                     (128, 64, 8, True, True, 1, False, True, 4)],
+@pytest.mark.parametrize("variant", [(128, 8, 4, False, True, 2, False, False, 2, False),
+                                     (64, 32, 2, True, False, 2, False, False, 2, False),
+                                     (128, 16, 8, False, True, 3, False, False, 2, False),
+                                     (64, 32, 2, False, True, 2, True, False, 2, False),
+                                     (64, 8, 4, False, True, 3, False, False, 2, False),
+                                     (64, 128, 4, False, True, 2, False, True, 3, False),
+                                     (128, 64, 8, True, True, 1, False, True, 4, False),
+                                     (64, 32, 4, False, True, 2, False, True, 3, True)],
                          ids=["bf16-bm8-prefetch2", "fp16-bm32-oddK-prefetch2", "bf16-bm16-prefetch3",
-                              "bf16-bm32-x-smem", "bf16-default-bm8", "bf16-wgmma-bm128", "fp16-wgmma-bm64-8warps"])
+                              "bf16-bm32-x-smem", "bf16-default-bm8", "bf16-wgmma-bm128", "fp16-wgmma-bm64-8warps",
+                              "bf16-wgmma-bm32-gather"])
 def test_gluon_w4a16_compiles_for_sm90(variant):
     """The kernel compiles to sm_90 with this machine's triton: mma.sync (the unrolled loop's and its
     tail's), no spills, and shared memory only to hand the tile counter's value (one atomic) to the
     program's threads, or with ``x_smem`` for x's two stages; the weights are never staged there.
     The default batch-8 tile is among them. With ``wgmma``: m64nBMk16 wgmmas (four a chunk, two chunks
     a pair, for each 64 rows of a warpgroup), A from registers (no shared-memory round trip: the one
-    ld.shared is the counter's), x's stages the only shared memory. (In a fresh process, outside the
+    ld.shared is the counter's), x's stages the only shared memory; with ``x_gather`` x's copies are
+    4-byte pieces (two features of one MMA column pair). (In a fresh process, outside the
     interpreter mode and its patches that this test session runs under.)"""
     import json
     import os
@@ -250,7 +258,11 @@ def test_gluon_w4a16_compiles_for_sm90(variant):
     if variant[7]:  # wgmma: the x stages (x_stages pairs of [BM, 64] x 2 chunks) and the counter's word
         x_stages = variant[8]
         assert got["mma"] == 0 and got["wgmma"] == 4 * (bn // (16 * nw)) * 2 * (2 * prefetch + 1)
-        assert got["ld_shared"] == 1 and got["st_shared"] == 1 and got["cp_async"] >= 1
+        assert got["ld_shared"] == 1 and got["st_shared"] == 1
+        if variant[9]:  # x_gather: 4-byte pieces only
+            assert got["cp_async"] == 0 and got["cp_async_4"] > 0
+        else:  # the permuted copy: 16-byte pieces only
+            assert got["cp_async"] > 0 and got["cp_async_4"] == 0
         assert 2 * x_stages * bm * 64 * 2 <= got["shared"] <= 2 * x_stages * bm * 64 * 2 + 16
     elif variant[6]:  # x_smem: two stages of x [BM, 128] copied in by cp.async, read back, no weights staged
         assert got["cp_async"] >= 1 and got["ld_shared"] > 1 and 2 * bm * 128 * 2 <= got["shared"] <= 2 * bm * 256 + 16

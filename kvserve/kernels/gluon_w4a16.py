@@ -89,6 +89,7 @@ class GluonTiles:
     split: int | None = None
     wgmma: bool = False  # sm_90 warpgroup MMAs (K = 64, x permuted by ``mma_order`` as B in shared memory)
     x_stages: int = 3  # with wgmma: pairs of x in shared memory (x_stages - 1 copies in flight)
+    x_gather: bool = False  # with wgmma and K % 128 == 0: x put in MMA order by the kernel's 4-byte copies
 
 
 def default_tiles(m: int) -> GluonTiles:
@@ -158,8 +159,11 @@ def _x_smem_layouts(block_m: int, num_warps: int) -> tuple:
     return copy, read
 
 
-def _x_chunk_copy_layout(num_warps: int):
-    """With wgmma: the copy layout of a chunk of permuted x [BM, 64] (16 bytes a thread, 4 x num_warps rows a step)."""
+def _x_chunk_copy_layout(num_warps: int, gather: bool = False):
+    """With wgmma: the copy layout of a chunk of x [BM, 64] in MMA order: 16 bytes a thread, 4 x
+    num_warps rows a step, from the permuted copy; 4 bytes, num_warps rows a step, gathered from x."""
+    if gather:
+        return gl.BlockedLayout([1, 2], [1, 32], [num_warps, 1], [1, 0])
     return gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
 
 
@@ -404,9 +408,11 @@ if gluon is not None:
         EVEN_K: gl.constexpr, PREFETCH: gl.constexpr, X_SMEM: gl.constexpr, PAIR_L: gl.constexpr, SCALE_L: gl.constexpr,
         CHUNK_L: gl.constexpr,
         ACT_L: gl.constexpr, XCP_L: gl.constexpr, XS_L: gl.constexpr, WGMMA: gl.constexpr, X_STAGES: gl.constexpr,
+        X_GATHER: gl.constexpr,
     ):
         """Program p takes units [p U / P, (p + 1) U / P) of U = tiles x pairs (tile-major). With WGMMA,
-        x is the permuted copy (``mma_order``, K a multiple of 128) and X_STAGES of its pairs are staged."""
+        x is the permuted copy (``mma_order``, K a multiple of 128) and X_STAGES of its pairs are staged;
+        with X_GATHER too, x as it is (K a multiple of 128), put in MMA order by 4-byte copies."""
         if WGMMA:
             MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                           instr_shape=[16, BLOCK_M, 16])
@@ -434,7 +440,11 @@ if gluon is not None:
                                                gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
                                                                     rank=2))
             cm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, XCP_L))
-            cf = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, XCP_L)), 0)
+            cc = gl.arange(0, 64, layout=gl.SliceLayout(0, XCP_L))
+            if X_GATHER:  # column 16 j + 8 h + 2 q + e of a chunk <- feature 16 q + 4 j + 2 h + e (runs of 2)
+                cc = (cc % 2) + 2 * ((cc // 8) % 2) + 4 * (cc // 16) + 16 * ((cc // 2) % 4)
+                cc = gl.max_contiguous(gl.multiple_of(cc, 2), 2)
+            cf = gl.expand_dims(cc, 0)
         elif X_SMEM:  # [2 stages, BM, 128 features]: 16-byte pieces, swizzled by row (conflict-free reads)
             x_smem = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [2, BLOCK_M, 128],
                                                gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0]))
@@ -536,7 +546,8 @@ def w4a16_mma_matmul(x2: torch.Tensor, weight: tw.W4A16Weight, y: torch.Tensor,
                          f"num_warps; split None or >= 0; wgmma: block_m up to 256 and >= 4 x num_warps, num_warps "
                          f"4 or 8, x_stages 2, 3 or 4)")
     n_pairs = weight.codes.shape[1]
-    if t.wgmma:
+    gather = t.wgmma and t.x_gather and k % 128 == 0
+    if t.wgmma and not gather:
         x2 = mma_order(x2, n_pairs)
     tiles_n, tiles_m = triton.cdiv(n, t.block_n), triton.cdiv(m, t.block_m)
     n_tiles = tiles_n * tiles_m
@@ -544,11 +555,11 @@ def w4a16_mma_matmul(x2: torch.Tensor, weight: tw.W4A16Weight, y: torch.Tensor,
     pair_l, scale_l, chunk_l, act_l = _layouts(t.block_n, t.block_m, t.num_warps)
     xcp_l, xs_l = _x_smem_layouts(t.block_m, t.num_warps)
     if t.wgmma:
-        xcp_l = _x_chunk_copy_layout(t.num_warps)
+        xcp_l = _x_chunk_copy_layout(t.num_warps, gather)
     meta = dict(BLOCK_N=t.block_n, BLOCK_M=t.block_m, NUM_WARPS=t.num_warps, FP16=x2.dtype == torch.float16,
                 EVEN_K=k % 128 == 0 or t.wgmma, PREFETCH=t.prefetch, X_SMEM=t.x_smem and k % 128 == 0 and not t.wgmma,
                 XCP_L=xcp_l, XS_L=xs_l, PAIR_L=pair_l, SCALE_L=scale_l, CHUNK_L=chunk_l, ACT_L=act_l,
-                WGMMA=t.wgmma, X_STAGES=t.x_stages, num_warps=t.num_warps)
+                WGMMA=t.wgmma, X_STAGES=t.x_stages, X_GATHER=gather, num_warps=t.num_warps)
     codes, scales = weight.codes.view(torch.int32), weight.scales.view(torch.int16)  # [N, pair, 16 / 4]
 
     def args(programs: int, part: torch.Tensor, lock: torch.Tensor) -> list:
