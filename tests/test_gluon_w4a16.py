@@ -36,6 +36,25 @@ def test_gluon_w4a16_against_float64(dtype, shape):
     assert _bound_ok(y.cpu(), x, _exact(packed, block_scale, s2))
 
 
+def _tiles_ok(m: int, n: int, k: int, seed: int, dtype: torch.dtype, tiles) -> tuple:
+    """One launch of ``tiles`` on fresh quantized weights (output poisoned with NaN): within the
+    float64 bound, the same bits on a second call, the tile counters back at zero; returns the
+    GPU x, the packed weight and y."""
+    from kvserve.kernels import gluon_w4a16 as g
+    from kvserve.kernels import triton_w4a16 as tw
+
+    (packed, block_scale, s2), gen = _quantized(n, k, seed)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    wt = tw.pack_w4a16(packed.cuda(), block_scale.cuda(), s2.cuda())
+    y = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
+    g.w4a16_mma_matmul(x.cuda(), wt, y, tiles)
+    assert _bound_ok(y.cpu(), x, _exact(packed, block_scale, s2))
+    again = g.w4a16_mma_matmul(x.cuda(), wt, torch.empty_like(y), tiles)
+    assert torch.equal(again, y)
+    assert not bool(tw._tile_locks(y.device).any())
+    return x.cuda(), wt, y
+
+
 @gpu
 @pytest.mark.parametrize("tiles", [(64, 8, 4, 1, 1, False, None), (128, 16, 4, 2, 2, True, None),
                                    (256, 8, 8, None, 3, False, None), (32, 32, 2, 3, 1, True, None),
@@ -50,26 +69,17 @@ def test_gluon_w4a16_tiles_and_stream_k(tiles):
     many as fill a wave, more than the tile's 10 pairs): within the bound, the same bits on a second
     call, the tile counters back at zero."""
     from kvserve.kernels import gluon_w4a16 as g
-    from kvserve.kernels import triton_w4a16 as tw
 
     bn, bm, nw, per_sm, prefetch, x_smem, split = tiles
     m, n, k = 2 * bm - 3, 3 * bn + 5, 1152 + (0 if x_smem else 64)  # (x_smem: K a multiple of 128)
-    (packed, block_scale, s2), gen = _quantized(n, k, bn + bm + nw)
-    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
-    wt = tw.pack_w4a16(packed.cuda(), block_scale.cuda(), s2.cuda())
     t = g.GluonTiles(bn, bm, nw, per_sm, prefetch, x_smem, split)
-    y = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-    g.w4a16_mma_matmul(x.cuda(), wt, y, t)
-    assert _bound_ok(y.cpu(), x, _exact(packed, block_scale, s2))
-    again = g.w4a16_mma_matmul(x.cuda(), wt, torch.empty_like(y), t)
-    assert torch.equal(again, y)
-    assert not bool(tw._tile_locks(y.device).any())
+    x, wt, y = _tiles_ok(m, n, k, bn + bm + nw, torch.bfloat16, t)
     with pytest.raises(ValueError, match="block_m in 8, 16, 32, 64"):
-        g.w4a16_mma_matmul(x.cuda(), wt, y, g.GluonTiles(bn, 24, nw))
+        g.w4a16_mma_matmul(x, wt, y, g.GluonTiles(bn, 24, nw))
     with pytest.raises(ValueError, match="prefetch 1, 2 or 3"):
-        g.w4a16_mma_matmul(x.cuda(), wt, y, g.GluonTiles(bn, bm, nw, prefetch=4))
+        g.w4a16_mma_matmul(x, wt, y, g.GluonTiles(bn, bm, nw, prefetch=4))
     with pytest.raises(ValueError, match="split None or >= 0"):
-        g.w4a16_mma_matmul(x.cuda(), wt, y, g.GluonTiles(bn, bm, nw, split=-1))
+        g.w4a16_mma_matmul(x, wt, y, g.GluonTiles(bn, bm, nw, split=-1))
 
 
 @gpu
@@ -87,24 +97,15 @@ def test_gluon_w4a16_wgmma(tiles, dtype):
     128 and x put in MMA order by the kernel: within the float64 bound, the same bits on a second
     call, the tile counters back at zero."""
     from kvserve.kernels import gluon_w4a16 as g
-    from kvserve.kernels import triton_w4a16 as tw
 
     if not g.wgmma_available(torch.device("cuda")):
         pytest.skip("warpgroup MMAs need sm_90")
     bn, bm, nw, per_sm, prefetch, split, x_stages, x_gather = tiles
     m, n, k = 2 * bm - 3, 3 * bn + 5, 1152 + (0 if x_gather else 64)
-    (packed, block_scale, s2), gen = _quantized(n, k, bn + bm + nw + x_stages)
-    x = torch.randn(m, k, generator=gen).to(dtype)
-    wt = tw.pack_w4a16(packed.cuda(), block_scale.cuda(), s2.cuda())
     t = g.GluonTiles(bn, bm, nw, per_sm, prefetch, False, split, wgmma=True, x_stages=x_stages, x_gather=x_gather)
-    y = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
-    g.w4a16_mma_matmul(x.cuda(), wt, y, t)
-    assert _bound_ok(y.cpu(), x, _exact(packed, block_scale, s2))
-    again = g.w4a16_mma_matmul(x.cuda(), wt, torch.empty_like(y), t)
-    assert torch.equal(again, y)
-    assert not bool(tw._tile_locks(y.device).any())
+    x, wt, y = _tiles_ok(m, n, k, bn + bm + nw + x_stages, dtype, t)
     with pytest.raises(ValueError, match="x_stages 2, 3 or 4"):
-        g.w4a16_mma_matmul(x.cuda(), wt, y, g.GluonTiles(bn, bm, nw, wgmma=True, x_stages=5))
+        g.w4a16_mma_matmul(x, wt, y, g.GluonTiles(bn, bm, nw, wgmma=True, x_stages=5))
 
 
 @gpu
