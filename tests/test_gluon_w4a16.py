@@ -195,7 +195,7 @@ if g.gluon is None:
     sys.exit()
 ty = "fp16" if fp16 else "bf16"
 sig = {"x_ptr": f"*{ty}", "w_ptr": "*i32", "s_ptr": "*i16", "g_ptr": "*fp32", "y_ptr": f"*{ty}", "part_ptr": "*fp32",
-       "lock_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "n_pairs": "i32", "tiles_n": "i32", "units": "i32",
+       "lock_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "n_pairs": "i32", "tiles_m": "i32", "units": "i32",
        "programs": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_wp": "i32", "stride_sn": "i32",
        "stride_sp": "i32", "stride_ym": "i32"}
 pair, scales, chunk, acts = g._layouts(bn, bm, nw)

@@ -27,7 +27,8 @@ so the product is the same sum.
 **Schedule**: stream-K as the Triton kernel (its docstring): the (tile, pair) units are split
 evenly over one wave of programs, partial tiles summed in program order by the tile's last program
 (four, two or one parts loaded at once). Or split-K (``GluonTiles.split``): S programs a tile, none
-crossing a tile, the same fix-up over S parts.
+crossing a tile, the same fix-up over S parts. Tiles are numbered batch tile fastest, so the batch
+tiles of one block of weight rows run side by side and share its bytes through the L2.
 
 CUDA only (``mma.sync`` needs sm_80; the inline PTX is the Triton kernel's). No interpreter: the
 Triton kernel is this kernel's CPU counterpart, and tests/test_gluon_w4a16.py holds this one to the
@@ -399,10 +400,10 @@ if gluon is not None:
                 gl.atomic_xchg(lock_ptr + tile, 0)
                 gl.store(y_at, (total * gl.expand_dims(g, 1)).to(y_ptr.dtype.element_ty), mask=y_ok)
 
-    @gluon.jit(do_not_specialize=["M", "N", "K", "n_pairs", "tiles_n", "units", "programs"])
+    @gluon.jit(do_not_specialize=["M", "N", "K", "n_pairs", "tiles_m", "units", "programs"])
     def _w4a16_mma_kernel(
         x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, part_ptr, lock_ptr,
-        M, N, K, n_pairs, tiles_n, units, programs,
+        M, N, K, n_pairs, tiles_m, units, programs,
         stride_xm, stride_wn, stride_wp, stride_sn, stride_sp, stride_ym,
         BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, NUM_WARPS: gl.constexpr, FP16: gl.constexpr,
         EVEN_K: gl.constexpr, PREFETCH: gl.constexpr, X_SMEM: gl.constexpr, PAIR_L: gl.constexpr, SCALE_L: gl.constexpr,
@@ -457,8 +458,8 @@ if gluon is not None:
             tile = u // n_pairs
             p_begin = u - tile * n_pairs
             p_end = gl.minimum(n_pairs, p_begin + (u_hi - u))
-            n0 = (tile % tiles_n) * BLOCK_N
-            m0 = (tile // tiles_n) * BLOCK_M
+            n0 = (tile // tiles_m) * BLOCK_N  # (batch tiles of one weight tile next to each other: they
+            m0 = (tile % tiles_m) * BLOCK_M  # run at about the same time, the later ones reading it from L2)
             rows = gl.minimum(n0 + cn, N - 1).to(gl.int64)  # (rows past N load row N - 1, never stored)
             w_rows = w_ptr + (gl.expand_dims(gl.expand_dims(rows * stride_wn, 1), 2) + c_in_row)
             s_rows = s_ptr + (gl.expand_dims(gl.minimum(n0 + sn, N - 1).to(gl.int64) * stride_sn, 1) + sq)
@@ -563,7 +564,7 @@ def w4a16_mma_matmul(x2: torch.Tensor, weight: tw.W4A16Weight, y: torch.Tensor,
     codes, scales = weight.codes.view(torch.int32), weight.scales.view(torch.int16)  # [N, pair, 16 / 4]
 
     def args(programs: int, part: torch.Tensor, lock: torch.Tensor) -> list:
-        return [x2, codes, scales, weight.row_scale, y, part, lock, m, n, k, n_pairs, tiles_n, units, programs,
+        return [x2, codes, scales, weight.row_scale, y, part, lock, m, n, k, n_pairs, tiles_m, units, programs,
                 x2.stride(0), codes.stride(0), codes.stride(1), scales.stride(0), scales.stride(1), y.stride(0)]
 
     if n_tiles > tw._LOCKS or t.split == 1:
