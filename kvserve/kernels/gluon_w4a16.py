@@ -296,10 +296,10 @@ if gluon is not None:
                     A: gl.constexpr, CHUNK_L: gl.constexpr, BLOCK_N: gl.constexpr):
         """acc += pair ``pair`` by two K = 64 wgmmas: A the weights decoded in registers, B this pair's
         stage of permuted x in shared memory (copied X_STAGES - 1 pairs ago; the copy X_STAGES - 1 pairs
-        ahead starts here, into the stage the previous pair read)."""
+        ahead starts here, into the stage the previous pair read). The first chunk is decoded while
+        the copy is awaited, the second while the first chunk's wgmma runs."""
         w0, s0, w1, s1 = _split_pair(w, s, FP16, BLOCK_N)
         a0 = _chunk_operand(w0, s0, FP16, CHUNK_L, BLOCK_N, A)
-        a1 = _chunk_operand(w1, s1, FP16, CHUNK_L, BLOCK_N, A)
         stage = (pair - p_begin) % X_STAGES
         async_copy.wait_group(X_STAGES - 2)  # this pair's copy has landed, for this thread
         fence_async_shared()  # (the copy's generic-proxy writes before the wgmma's async-proxy reads)
@@ -307,6 +307,7 @@ if gluon is not None:
         _copy_x_chunks(x_smem, (stage + X_STAGES - 1) % X_STAGES, x_from,
                        gl.minimum(pair + X_STAGES - 1, p_end - 1) * 128)
         acc = warpgroup_mma(a0, x_smem.index(2 * stage).permute((1, 0)), acc, is_async=True)
+        a1 = _chunk_operand(w1, s1, FP16, CHUNK_L, BLOCK_N, A)
         acc = warpgroup_mma(a1, x_smem.index(2 * stage + 1).permute((1, 0)), acc, is_async=True)
         return warpgroup_mma_wait(0, deps=[acc])
 
