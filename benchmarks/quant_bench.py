@@ -22,6 +22,7 @@ run behind ``default_tiles``); without it only the default tiles run.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -91,7 +92,9 @@ def sweep_tiles(m: int) -> list:
     """The tiles a sweep tries at batch ``m``, fewest compiles first (``programs_per_sm`` is a launch
     argument, no extra compile: None = one wave at the compiled kernel's occupancy, 0 = one program
     a tile; ``maxnreg`` 128 lets 4 programs of 4 warps share an SM; first the tiles with a chunk as
-    one K = 64 dot, ``one_dot``)."""
+    one K = 64 dot, ``one_dot``). ``pdl`` tiles overlap each call with the one before (programmatic
+    dependent launch): between back-to-back calls of this kernel that is the most they can overlap;
+    after the engine's other kernels (not launched with it) less."""
     from kvserve.kernels import gluon_w4a16 as g
     from kvserve.kernels.triton_w4a16 import W4A16Tiles
 
@@ -107,7 +110,8 @@ def sweep_tiles(m: int) -> list:
     if m <= g.MAX_M and g.available(torch.device(DEV)):  # the Gluon kernel's grid: stream-K, then split-K
         T = g.GluonTiles
         bm = 8 if m <= 8 else 16 if m <= 16 else 32 if m <= 32 else 64
-        return [g.default_tiles(m)] + wgmma + [T(bn, bm, w, None, pf, xs, s) for bn, w in ((64, 4), (16, 1), (32, 2), (128, 4))
+        pdl = [dataclasses.replace(g.default_tiles(m), pdl=True)] if g.wgmma_available(torch.device(DEV)) else []
+        return [g.default_tiles(m)] + pdl + wgmma + [T(bn, bm, w, None, pf, xs, s) for bn, w in ((64, 4), (16, 1), (32, 2), (128, 4))
                                                for pf in (1, 2, 3) for xs in (True, False) for s in (None, 0)
                                                if not (xs and 2 * w > bm)]
     gluon = []  # x through shared memory lets the Gluon kernel take 64-row batch tiles without spilling

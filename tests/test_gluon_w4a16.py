@@ -128,6 +128,51 @@ def test_gluon_w4a16_wgmma_27b_shapes(shape):
     assert _bound_ok(y.cpu(), x, _exact(packed, block_scale, s2))
 
 
+@gpu
+@pytest.mark.parametrize("tiles", [(64, 8, 4, None, 3, False, 0, False), (128, 16, 4, None, 1, True, None, False),
+                                   (64, 32, 4, None, 2, False, None, True)],
+                         ids=["bm8-split", "bm16-x-smem", "wgmma-bm32-gather"])
+def test_gluon_w4a16_pdl_chain_waits_for_its_input(tiles):
+    """Programmatic dependent launch: three launches chained (each one's y the next one's x, the
+    output buffers poisoned with NaN first), eager and inside a CUDA graph, give the bits of the same
+    chain without PDL: a launch that read its x before the previous kernel's stores would differ."""
+    from kvserve.kernels import gluon_w4a16 as g
+    from kvserve.kernels.triton_w4a16 import pack_w4a16
+
+    bn, bm, nw, per_sm, prefetch, x_smem, split, wgmma = tiles
+    if wgmma and not g.wgmma_available(torch.device("cuda")):
+        pytest.skip("warpgroup MMAs need sm_90")
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs sm_90")
+    n = k = 4096  # square: y feeds the next launch as x
+    (packed, block_scale, s2), gen = _quantized(n, k, 11)
+    wt = pack_w4a16(packed.cuda(), block_scale.cuda(), s2.cuda())
+    x = torch.randn(bm - 1, k, generator=gen).to(torch.bfloat16).cuda()
+
+    def chain(pdl: bool, ys: list) -> None:
+        t = g.GluonTiles(bn, bm, nw, per_sm, prefetch, x_smem, split, wgmma=wgmma, x_gather=wgmma, pdl=pdl)
+        g.w4a16_mma_matmul(x, wt, ys[0], t)
+        g.w4a16_mma_matmul(ys[0], wt, ys[1], t)
+        g.w4a16_mma_matmul(ys[1], wt, ys[2], t)
+
+    want = [torch.empty_like(x) for _ in range(3)]
+    chain(False, want)
+    got = [torch.full_like(x, float("nan")) for _ in range(3)]
+    chain(True, got)
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    for y in got:
+        y.fill_(float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain(True, got)
+    for y in got:
+        y.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 def test_mma_order_places_each_feature_at_its_mma_column():
     """``mma_order`` (the wgmma path's x): in every chunk of 64 features, position 16 j + 8 h + 2 q + e
     holds feature 16 q + 4 j + 2 h + e, the column the weight decode gives that feature; past K zeros
@@ -189,7 +234,7 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from kvserve.kernels import gluon_w4a16 as g
 
-bn, bm, nw, fp16, even_k, prefetch, x_smem, wgmma, x_stages, x_gather = json.loads(sys.argv[1])
+bn, bm, nw, fp16, even_k, prefetch, x_smem, wgmma, x_stages, x_gather, pdl = json.loads(sys.argv[1])
 if g.gluon is None:
     print(json.dumps(None))
     sys.exit()
@@ -204,7 +249,7 @@ if wgmma:
     xcp = g._x_chunk_copy_layout(nw, x_gather)
 consts = dict(BLOCK_N=bn, BLOCK_M=bm, NUM_WARPS=nw, FP16=fp16, EVEN_K=even_k, PREFETCH=prefetch, X_SMEM=x_smem,
               PAIR_L=pair, SCALE_L=scales, CHUNK_L=chunk, ACT_L=acts, XCP_L=xcp, XS_L=xs, WGMMA=wgmma,
-              X_STAGES=x_stages, X_GATHER=x_gather)
+              X_STAGES=x_stages, X_GATHER=x_gather, PDL=pdl)
 aligned = ("x_ptr", "w_ptr", "s_ptr", "g_ptr", "y_ptr", "part_ptr", "lock_ptr", "stride_xm", "stride_wn", "stride_wp",
            "stride_ym")  # as the launcher specializes them (16-byte aligned tensors, strides multiples of 16)
 attrs = {(list(sig).index(a),): [["tt.divisibility", 16]] for a in aligned}
@@ -213,6 +258,7 @@ k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 
 ptx = k.asm["ptx"]
 print(json.dumps({"mma": ptx.count("mma.sync.aligned.m16n8k16"), "ld_shared": ptx.count("ld.shared"),
                   "wgmma": ptx.count("wgmma.mma_async.sync.aligned.m64n%dk16.f32" % bm),
+                  "gdc": [ptx.count("griddepcontrol.wait"), ptx.count("griddepcontrol.launch_dependents")],
                   "cp_async": ptx.count("cp.async.cg.shared.global"),
                   "cp_async_4": sum(1 for line in ptx.splitlines()
                                     if "cp.async.ca.shared.global" in line and line.rstrip().endswith("0x4, 0x4;")),
@@ -221,17 +267,17 @@ print(json.dumps({"mma": ptx.count("mma.sync.aligned.m16n8k16"), "ld_shared": pt
 """
 
 
-@pytest.mark.parametrize("variant", [(128, 8, 4, False, True, 2, False, False, 2, False),
-                                     (64, 32, 2, True, False, 2, False, False, 2, False),
-                                     (128, 16, 8, False, True, 3, False, False, 2, False),
-                                     (64, 32, 2, False, True, 2, True, False, 2, False),
-                                     (64, 8, 4, False, True, 3, False, False, 2, False),
-                                     (64, 128, 4, False, True, 2, False, True, 3, False),
-                                     (128, 64, 8, True, True, 1, False, True, 4, False),
-                                     (64, 32, 4, False, True, 2, False, True, 3, True)],
+@pytest.mark.parametrize("variant", [(128, 8, 4, False, True, 2, False, False, 2, False, False),
+                                     (64, 32, 2, True, False, 2, False, False, 2, False, False),
+                                     (128, 16, 8, False, True, 3, False, False, 2, False, False),
+                                     (64, 32, 2, False, True, 2, True, False, 2, False, True),
+                                     (64, 8, 4, False, True, 3, False, False, 2, False, True),
+                                     (64, 128, 4, False, True, 2, False, True, 3, False, False),
+                                     (128, 64, 8, True, True, 1, False, True, 4, False, False),
+                                     (64, 32, 4, False, True, 2, False, True, 3, True, True)],
                          ids=["bf16-bm8-prefetch2", "fp16-bm32-oddK-prefetch2", "bf16-bm16-prefetch3",
-                              "bf16-bm32-x-smem", "bf16-default-bm8", "bf16-wgmma-bm128", "fp16-wgmma-bm64-8warps",
-                              "bf16-wgmma-bm32-gather"])
+                              "bf16-bm32-x-smem-pdl", "bf16-default-bm8-pdl", "bf16-wgmma-bm128", "fp16-wgmma-bm64-8warps",
+                              "bf16-wgmma-bm32-gather-pdl"])
 def test_gluon_w4a16_compiles_for_sm90(variant):
     """The kernel compiles to sm_90 with this machine's triton: mma.sync (the unrolled loop's and its
     tail's), no spills, and shared memory only to hand the tile counter's value (one atomic) to the
@@ -239,7 +285,9 @@ def test_gluon_w4a16_compiles_for_sm90(variant):
     The default batch-8 tile is among them. With ``wgmma``: m64nBMk16 wgmmas (four a chunk, two chunks
     a pair, for each 64 rows of a warpgroup), A from registers (no shared-memory round trip: the one
     ld.shared is the counter's), x's stages the only shared memory; with ``x_gather`` x's copies are
-    4-byte pieces (two features of one MMA column pair). (In a fresh process, outside the
+    4-byte pieces (two features of one MMA column pair). With ``pdl`` the kernel lets the next one
+    launch and waits for the previous one (one griddepcontrol each, before the tile loop's x and stores:
+    the wait sits in the loop, once a tile); without it, neither. (In a fresh process, outside the
     interpreter mode and its patches that this test session runs under.)"""
     import json
     import os
@@ -270,3 +318,4 @@ def test_gluon_w4a16_compiles_for_sm90(variant):
     else:
         assert got["ld_shared"] == 1 and got["st_shared"] == 1 and got["shared"] <= 16
     assert got["local"] == 0
+    assert got["gdc"] == ([1, 1] if variant[10] else [0, 0])

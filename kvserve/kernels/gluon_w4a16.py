@@ -30,6 +30,10 @@ evenly over one wave of programs, partial tiles summed in program order by the t
 crossing a tile, the same fix-up over S parts. Tiles are numbered batch tile fastest, so the batch
 tiles of one block of weight rows run side by side and share its bytes through the L2.
 
+**Programmatic dependent launch** (``GluonTiles.pdl``, sm_90, not a default until timed): the
+kernel lets the next one in the stream launch at once, and a tile's first weights (which no earlier
+kernel writes) are loaded before ``griddepcontrol.wait``; x, y, the parts and the counters only after.
+
 CUDA only (``mma.sync`` needs sm_80; the inline PTX is the Triton kernel's). No interpreter: the
 Triton kernel is this kernel's CPU counterpart, and tests/test_gluon_w4a16.py holds this one to the
 float64 bound on a GPU (and compiles it for sm_90 on the CPU).
@@ -91,6 +95,7 @@ class GluonTiles:
     wgmma: bool = False  # sm_90 warpgroup MMAs (K = 64, x permuted by ``mma_order`` as B in shared memory)
     x_stages: int = 3  # with wgmma: pairs of x in shared memory (x_stages - 1 copies in flight)
     x_gather: bool = False  # with wgmma and K % 128 == 0: x put in MMA order by the kernel's 4-byte copies
+    pdl: bool = False  # programmatic dependent launch (sm_90): weights loaded before waiting for the last kernel
 
 
 def default_tiles(m: int) -> GluonTiles:
@@ -284,6 +289,29 @@ if gluon is not None:
         return gl.load(w_rows + at * stride_wp), gl.load(s_rows + at * stride_sp)
 
     @gluon.jit
+    def _first_pairs(w_rows, s_rows, p_begin, p_last, stride_wp, stride_sp, D: gl.constexpr):
+        """The first D (2-4) pairs' codes and scales of a range (the unused last buffers repeat the second)."""
+        w0, s0 = _load_w(w_rows, s_rows, p_begin, p_last, stride_wp, stride_sp)
+        w1, s1 = _load_w(w_rows, s_rows, p_begin + 1, p_last, stride_wp, stride_sp)
+        w2, s2 = w1, s1
+        w3, s3 = w1, s1
+        if D >= 3:
+            w2, s2 = _load_w(w_rows, s_rows, p_begin + 2, p_last, stride_wp, stride_sp)
+        if D >= 4:
+            w3, s3 = _load_w(w_rows, s_rows, p_begin + 3, p_last, stride_wp, stride_sp)
+        return w0, s0, w1, s1, w2, s2, w3, s3
+
+    @gluon.jit
+    def _grid_dependency(WAIT: gl.constexpr):
+        """griddepcontrol (sm_90 programmatic dependent launch): WAIT for the previous kernel in the stream
+        to finish and its writes to be visible, else let the next kernel launch (no-ops without PDL)."""
+        if WAIT:
+            gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+        else:
+            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
+                                      is_pure=False, pack=1)
+
+    @gluon.jit
     def _copy_x_chunks(x_smem, stage, x_from, k0):
         """cp.async the pair of permuted x from feature k0 into ``stage`` (its chunks: buffers 2 stage
         and 2 stage + 1, [BM, 64] each), one group."""
@@ -410,11 +438,13 @@ if gluon is not None:
         EVEN_K: gl.constexpr, PREFETCH: gl.constexpr, X_SMEM: gl.constexpr, PAIR_L: gl.constexpr, SCALE_L: gl.constexpr,
         CHUNK_L: gl.constexpr,
         ACT_L: gl.constexpr, XCP_L: gl.constexpr, XS_L: gl.constexpr, WGMMA: gl.constexpr, X_STAGES: gl.constexpr,
-        X_GATHER: gl.constexpr,
+        X_GATHER: gl.constexpr, PDL: gl.constexpr,
     ):
         """Program p takes units [p U / P, (p + 1) U / P) of U = tiles x pairs (tile-major). With WGMMA,
         x is the permuted copy (``mma_order``, K a multiple of 128) and X_STAGES of its pairs are staged;
-        with X_GATHER too, x as it is (K a multiple of 128), put in MMA order by 4-byte copies."""
+        with X_GATHER too, x as it is (K a multiple of 128), put in MMA order by 4-byte copies. With PDL,
+        the next kernel may launch at once, and a tile's first weights are loaded before waiting for the
+        previous kernel (x, y, the parts and the counters are touched only after the wait)."""
         if WGMMA:
             MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                           instr_shape=[16, BLOCK_M, 16])
@@ -424,6 +454,8 @@ if gluon is not None:
         A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
         B: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
         p = gl.program_id(0)
+        if PDL:
+            _grid_dependency(False)
         u_lo = (p.to(gl.int64) * units // programs).to(gl.int32)
         u_hi = ((p.to(gl.int64) + 1) * units // programs).to(gl.int32)
         # index vectors: codes [BN, 4 q, 4 words], scales [BN, 4 q], activations [4 q, 16 f, BM]
@@ -467,6 +499,15 @@ if gluon is not None:
             x_rows = gl.minimum(m0 + xm, M - 1).to(gl.int64)
             x_cols = x_ptr + (x_feat + gl.expand_dims(gl.expand_dims(x_rows * stride_xm, 0), 1))
             acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
+            # PREFETCH + 1 register buffers, each refilled with the pair PREFETCH + 1 ahead right after
+            # its pair is multiplied, so PREFETCH pairs stay in flight. The loop body takes one pair a
+            # buffer: a buffer never moves to other registers (a register copy of a load's target waits
+            # for the load, which would end the prefetch at the loop's back edge).
+            D: gl.constexpr = PREFETCH + 1
+            p_last = p_end - 1
+            if PDL:  # the weights do not depend on the previous kernel: in flight before the wait
+                w0, s0, w1, s1, w2, s2, w3, s3 = _first_pairs(w_rows, s_rows, p_begin, p_last, stride_wp, stride_sp, D)
+                _grid_dependency(True)
             x_from = 0
             if WGMMA:
                 x_from = x_ptr + (gl.expand_dims(gl.minimum(m0 + cm, M - 1).to(gl.int64) * stride_xm, 1) + cf)
@@ -477,20 +518,10 @@ if gluon is not None:
                 x_from = x_ptr + (gl.expand_dims(gl.minimum(m0 + cm, M - 1).to(gl.int64) * stride_xm, 1) + cf)
                 _cta_barrier()  # the last tile's reads of both stages are done
                 _copy_x(x_smem.index(0), x_from, p_begin * 128)
-            # PREFETCH + 1 register buffers, each refilled with the pair PREFETCH + 1 ahead right after
-            # its pair is multiplied, so PREFETCH pairs stay in flight. The loop body takes one pair a
-            # buffer: a buffer never moves to other registers (a register copy of a load's target waits
-            # for the load, which would end the prefetch at the loop's back edge).
-            D: gl.constexpr = PREFETCH + 1
-            p_last = p_end - 1
             blocks = (p_end - p_begin) // D
             pair = p_begin
-            w0, s0 = _load_w(w_rows, s_rows, p_begin, p_last, stride_wp, stride_sp)
-            w1, s1 = _load_w(w_rows, s_rows, p_begin + 1, p_last, stride_wp, stride_sp)
-            if D >= 3:
-                w2, s2 = _load_w(w_rows, s_rows, p_begin + 2, p_last, stride_wp, stride_sp)
-            if D >= 4:
-                w3, s3 = _load_w(w_rows, s_rows, p_begin + 3, p_last, stride_wp, stride_sp)
+            if not PDL:
+                w0, s0, w1, s1, w2, s2, w3, s3 = _first_pairs(w_rows, s_rows, p_begin, p_last, stride_wp, stride_sp, D)
             for _ in range(blocks):
                 acc = _pair_step(acc, w0, s0, pair, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K, EVEN_K,
                                  X_SMEM, WGMMA, X_STAGES, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L,
@@ -561,7 +592,8 @@ def w4a16_mma_matmul(x2: torch.Tensor, weight: tw.W4A16Weight, y: torch.Tensor,
     meta = dict(BLOCK_N=t.block_n, BLOCK_M=t.block_m, NUM_WARPS=t.num_warps, FP16=x2.dtype == torch.float16,
                 EVEN_K=k % 128 == 0 or t.wgmma, PREFETCH=t.prefetch, X_SMEM=t.x_smem and k % 128 == 0 and not t.wgmma,
                 XCP_L=xcp_l, XS_L=xs_l, PAIR_L=pair_l, SCALE_L=scale_l, CHUNK_L=chunk_l, ACT_L=act_l,
-                WGMMA=t.wgmma, X_STAGES=t.x_stages, X_GATHER=gather, num_warps=t.num_warps)
+                WGMMA=t.wgmma, X_STAGES=t.x_stages, X_GATHER=gather, PDL=t.pdl, launch_pdl=t.pdl,
+                num_warps=t.num_warps)
     codes, scales = weight.codes.view(torch.int32), weight.scales.view(torch.int16)  # [N, pair, 16 / 4]
 
     def args(programs: int, part: torch.Tensor, lock: torch.Tensor) -> list:
