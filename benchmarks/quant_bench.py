@@ -98,9 +98,10 @@ def sweep_tiles(m: int) -> list:
     from kvserve.kernels import gluon_w4a16 as g
     from kvserve.kernels.triton_w4a16 import W4A16Tiles
 
-    wgmma = []  # the Gluon kernel's warpgroup MMAs (sm_90): a 64-row warpgroup a block of weight rows;
-    if m > 8 and g.wgmma_available(torch.device(DEV)):  # up to 64 rows x also gathered in MMA order by the kernel
-        T = g.GluonTiles
+    T = g.GluonTiles
+    on_sm90 = g.wgmma_available(torch.device(DEV))
+    wgmma = []  # the warpgroup-MMA path (sm_90), x also gathered into MMA order by the kernel up to 64 rows
+    if m > 8 and on_sm90:
         bm = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
         gathers = (True, False) if bm <= 64 else (False,)
         wgmma = ([T(64, bm, 4, None, pf, False, sp, wgmma=True, x_stages=st, x_gather=ga) for ga in gathers
@@ -108,12 +109,11 @@ def sweep_tiles(m: int) -> list:
                  + [T(128, bm, 8, None, pf, False, sp, wgmma=True, x_stages=3) for pf in (1, 2) for sp in (None, 0)]
                  + [T(64, bm, 4, None, 1, False, 1, wgmma=True, x_stages=3)])
     if m <= g.MAX_M and g.available(torch.device(DEV)):  # the Gluon kernel's grid: stream-K, then split-K
-        T = g.GluonTiles
         bm = 8 if m <= 8 else 16 if m <= 16 else 32 if m <= 32 else 64
-        pdl = [dataclasses.replace(g.default_tiles(m), pdl=True)] if g.wgmma_available(torch.device(DEV)) else []
-        return [g.default_tiles(m)] + pdl + wgmma + [T(bn, bm, w, None, pf, xs, s) for bn, w in ((64, 4), (16, 1), (32, 2), (128, 4))
-                                               for pf in (1, 2, 3) for xs in (True, False) for s in (None, 0)
-                                               if not (xs and 2 * w > bm)]
+        pdl = [dataclasses.replace(g.default_tiles(m), pdl=True)] if on_sm90 else []
+        return [g.default_tiles(m)] + pdl + wgmma + [
+            T(bn, bm, w, None, pf, xs, s) for bn, w in ((64, 4), (16, 1), (32, 2), (128, 4)) for pf in (1, 2, 3)
+            for xs in (True, False) for s in (None, 0) if not (xs and 2 * w > bm)]
     gluon = []  # x through shared memory lets the Gluon kernel take 64-row batch tiles without spilling
     if m <= 128 and g.available(torch.device(DEV)):
         gluon = [g.GluonTiles(64, 64, 2, None, 2, True), g.GluonTiles(128, 64, 4, None, 2, True),
