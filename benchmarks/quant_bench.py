@@ -257,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"of {', '.join(SHAPES)}")
-    ap.add_argument("--sweep", action="store_true", help="also time a grid of launch tiles per point")
+    ap.add_argument("--sweep", nargs="?", type=int, const=10**6, default=0, metavar="N",
+                    help="also time a grid of launch tiles per point (the first N of it, all without N)")
     ap.add_argument("--fp8-batches", default=",".join(map(str, FP8_BATCHES)),
                     help="the FP8 layers' batches ('' = none)")
     ap.add_argument("--time-budget-s", type=float, default=240.0, help="stop starting new points after this")
@@ -283,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         common.write_json(out, doc)
 
     bench_fp8(fp8_shapes, fp8_batches, doc, save)
-    bench(shapes, batches, 3 if a.smoke else (10**6 if a.sweep else 0), a.time_budget_s, doc, save)
+    bench(shapes, batches, 3 if a.smoke else a.sweep, a.time_budget_s, doc, save)
     save()
     parts = [f"{r['shape']} m{r['m']} {r['speedup']:.2f}x" for r in doc["rows"]]
     fp8 = [f"{r['shape']} m{r['m']} {r['speedup']:.2f}x" for r in doc["fp8_rows"]]
