@@ -100,6 +100,10 @@ def sweep_tiles(m: int) -> list:
 
     T = g.GluonTiles
     on_sm90 = g.wgmma_available(torch.device(DEV))
+    first = []  # the default tiles without and (sm_90) with programmatic dependent launch
+    if m <= g.max_rows(torch.device(DEV)):
+        d = g.default_tiles(m, on_sm90)
+        first = [dataclasses.replace(d, pdl=False)] + ([dataclasses.replace(d, pdl=True)] if on_sm90 else [])
     wgmma = []  # the warpgroup-MMA path (sm_90), x also gathered into MMA order by the kernel up to 64 rows
     if m > 8 and on_sm90:
         bm = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
@@ -108,17 +112,16 @@ def sweep_tiles(m: int) -> list:
                   for pf in (1, 2) for st in (3, 4) for sp in (None, 0)]
                  + [T(128, bm, 8, None, pf, False, sp, wgmma=True, x_stages=3) for pf in (1, 2) for sp in (None, 0)]
                  + [T(64, bm, 4, None, 1, False, 1, wgmma=True, x_stages=3)])
+        wgmma = [t for t in wgmma if t not in first]
     if m <= g.MAX_M and g.available(torch.device(DEV)):  # the Gluon kernel's grid: stream-K, then split-K
-        bm = 8 if m <= 8 else 16 if m <= 16 else 32 if m <= 32 else 64
-        pdl = [dataclasses.replace(g.default_tiles(m), pdl=True)] if on_sm90 else []
-        return [g.default_tiles(m)] + pdl + wgmma + [
-            T(bn, bm, w, None, pf, xs, s) for bn, w in ((64, 4), (16, 1), (32, 2), (128, 4)) for pf in (1, 2, 3)
-            for xs in (True, False) for s in (None, 0) if not (xs and 2 * w > bm)]
+        grid = [T(bn, bm, w, None, pf, xs, s) for bn, w in ((64, 4), (16, 1), (32, 2), (128, 4))
+                for pf in (1, 2, 3) for xs in (True, False) for s in (None, 0) if not (xs and 2 * w > bm)]
+        return first + wgmma + [t for t in grid if t not in first]
     gluon = []  # x through shared memory lets the Gluon kernel take 64-row batch tiles without spilling
     if m <= 128 and g.available(torch.device(DEV)):
         gluon = [g.GluonTiles(64, 64, 2, None, 2, True), g.GluonTiles(128, 64, 4, None, 2, True),
                  g.GluonTiles(64, 64, 4, None, 2, True)]
-    gluon = wgmma + gluon
+    gluon = first + wgmma + gluon
     bm = next(b for b in (16, 32, 64, 128) if m <= b or b == 128)
     one = [W4A16Tiles(128, bm, ch, 4 if bm <= 64 else 8, st, one_dot=True) for ch in (1, 2) for st in (3, 4)]
     one = gluon + one
@@ -170,13 +173,13 @@ def bench(shapes: dict, batches: list[int], sweep: int, budget_s: float, doc: di
                 return _time_ms([lambda c=c: call(c, y, tiles, path) for c in wqs]), err
 
             ms, err = run()
-            gluon = m <= g.MAX_M and g.available(x.device)
+            gluon = m <= g.max_rows(x.device)
             row = {"shape": name, "n": n, "k": k, "m": m, "dense_ms": dense_ms, "w4a16_ms": ms,
                    "speedup": dense_ms / ms, "rel_err": err,
-                   "tiles": vars(g.default_tiles(m) if gluon else default_tiles(m, n, k)),
+                   "tiles": vars(g.default_tiles(m, g.wgmma_available(x.device)) if gluon else default_tiles(m, n, k)),
                    "path": "gluon" if gluon else "dequantize + cuBLAS" if use_dense_path(m, n, k) else "fused",
                    "weight_copies": [len(wds), len(wqs)]}
-            if gluon:  # the Triton kernel beside it
+            if gluon and m < 128:  # the Triton kernel beside it (from 128 rows: fused_ms)
                 row["triton_ms"] = run(path=False)[0]
             if m >= 128:  # both paths of w4a16_matmul where the choice is made
                 row["fused_ms"] = run(path=False)[0]

@@ -16,7 +16,7 @@ from test_triton_w4a16 import _bound_ok, _exact, _quantized
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.skipif(not CUDA, reason="the Gluon kernel runs on CUDA only (no interpreter)")
 SHAPES = [(1, 48, 128), (5, 96, 320), (16, 130, 208), (33, 64, 96), (64, 200, 384), (3, 17408, 5120),
-          (16, 5120, 17408), (32, 34816, 5120)]  # (M, N, K)
+          (16, 5120, 17408), (32, 34816, 5120), (200, 130, 256)]  # (M, N, K)
 
 
 @gpu
@@ -123,7 +123,7 @@ def test_gluon_w4a16_wgmma_27b_shapes(shape):
     x = (torch.randn(m, k, generator=gen) * 2).to(torch.bfloat16)
     wt = pack_w4a16(packed.cuda(), block_scale.cuda(), s2.cuda())
     y = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-    g.w4a16_mma_matmul(x.cuda(), wt, y, g.GluonTiles(64, 128, 4, None, 2, wgmma=True))
+    g.w4a16_mma_matmul(x.cuda(), wt, y)  # the default tiles: 128 x 128 x 8 warps
     assert not bool(torch.isnan(y).any())
     assert _bound_ok(y.cpu(), x, _exact(packed, block_scale, s2))
 
@@ -197,9 +197,10 @@ def test_mma_order_places_each_feature_at_its_mma_column():
 
 
 @gpu
-def test_w4a16_linear_dispatch_and_cuda_graph():
-    """Decode batches take the Gluon kernel, larger ones and fp32 the Triton path, with the same
-    product up to the bound; the Gluon launch replays in a CUDA graph."""
+def test_w4a16_linear_dispatch_and_cuda_graph(monkeypatch):
+    """Decode batches (up to ``max_rows``: 64, 256 on sm_90) take the Gluon kernel with the default
+    tiles, larger ones and fp32 the Triton path, with the same product up to the bound; the Gluon
+    launch replays in a CUDA graph."""
     from kvserve.kernels import gluon_w4a16 as g
     from kvserve.kernels.triton_w4a16 import pack_w4a16, w4a16_matmul
 
@@ -207,11 +208,21 @@ def test_w4a16_linear_dispatch_and_cuda_graph():
     (packed, block_scale, s2), gen = _quantized(n, k, 5)
     wt = pack_w4a16(packed.cuda(), block_scale.cuda(), s2.cuda())
     w64 = _exact(packed, block_scale, s2)
-    for m in (1, 7, g.MAX_M, g.MAX_M + 1, 300):
+    top, sm90 = g.max_rows(torch.device("cuda")), g.wgmma_available(torch.device("cuda"))
+    assert top == (256 if sm90 else 64)
+    launched = []
+    mma_matmul = g.w4a16_mma_matmul
+    monkeypatch.setattr(g, "w4a16_mma_matmul", lambda x2, w, y, tiles=None: launched.append(x2.shape[0])
+                        or mma_matmul(x2, w, y, tiles))
+    for m in (1, 7, 20, 32, 33, top // 2, top // 2 + 1, 300):
+        launched.clear()
         x = torch.randn(2, m, k, generator=gen).to(torch.bfloat16).cuda()
         y = g.w4a16_linear(x, wt)
+        assert launched == ([2 * m] if 2 * m <= top else [])
         assert y.shape == (2, m, n) and _bound_ok(y.reshape(-1, n).cpu(), x.reshape(-1, k).cpu(), w64,
-                                                 weight_unit=2.0**-8 if 2 * m >= 256 else 0.0)
+                                                 weight_unit=2.0**-8 if 2 * m > top else 0.0)
+    assert g.default_tiles(8, sm90).pdl == sm90 and g.default_tiles(64, sm90).wgmma == sm90
+    monkeypatch.undo()
     x32 = torch.randn(3, k, generator=gen).cuda()
     assert torch.equal(g.w4a16_linear(x32, wt), w4a16_matmul(x32, wt))
     x = torch.randn(4, k, generator=gen).to(torch.bfloat16).cuda()
@@ -274,16 +285,18 @@ print(json.dumps({"mma": ptx.count("mma.sync.aligned.m16n8k16"), "ld_shared": pt
                                      (64, 8, 4, False, True, 3, False, False, 2, False, True),
                                      (64, 128, 4, False, True, 2, False, True, 3, False, False),
                                      (128, 64, 8, True, True, 1, False, True, 4, False, False),
-                                     (64, 32, 4, False, True, 2, False, True, 3, True, True)],
+                                     (64, 32, 4, False, True, 2, False, True, 3, True, True),
+                                     (64, 64, 4, False, True, 2, False, True, 3, False, False),
+                                     (128, 128, 8, False, True, 2, False, True, 3, False, False)],
                          ids=["bf16-bm8-prefetch2", "fp16-bm32-oddK-prefetch2", "bf16-bm16-prefetch3",
                               "bf16-bm32-x-smem-pdl", "bf16-default-bm8-pdl", "bf16-wgmma-bm128", "fp16-wgmma-bm64-8warps",
-                              "bf16-wgmma-bm32-gather-pdl"])
+                              "bf16-wgmma-bm32-gather-pdl", "bf16-default-wgmma-bm64", "bf16-default-wgmma-bm128"])
 def test_gluon_w4a16_compiles_for_sm90(variant):
     """The kernel compiles to sm_90 with this machine's triton: mma.sync (the unrolled loop's and its
     tail's), no spills, and shared memory only to hand the tile counter's value (one atomic) to the
     program's threads, or with ``x_smem`` for x's two stages; the weights are never staged there.
-    The default batch-8 tile is among them. With ``wgmma``: m64nBMk16 wgmmas (four a chunk, two chunks
-    a pair, for each 64 rows of a warpgroup), A from registers (no shared-memory round trip: the one
+    The default tiles (batch 8; wgmma 64 and 128 rows) are among them. With ``wgmma``: m64nBMk16
+    wgmmas (four a chunk, two chunks a pair, for each 64 rows of a warpgroup), A from registers (no shared-memory round trip: the one
     ld.shared is the counter's), x's stages the only shared memory; with ``x_gather`` x's copies are
     4-byte pieces (two features of one MMA column pair). With ``pdl`` the kernel lets the next one
     launch and waits for the previous one (one griddepcontrol each, before the tile loop's x and stores:

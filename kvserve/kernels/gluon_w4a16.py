@@ -1,5 +1,6 @@
 """W4A16 GEMM for decode batches (Gluon, CUDA): ``y = x @ W^T`` (``w4a16_linear`` gives it up to
-``MAX_M`` rows of x), the NVFP4 weight decoded straight into tensor-core fragments in registers.
+``max_rows`` rows of x: 64, 256 on sm_90), the NVFP4 weight decoded straight into tensor-core
+fragments in registers.
 
 The Triton kernel (``triton_w4a16``) stages W through shared memory: the compiler copies each chunk
 there (cp.async) and reads it back in the MMA's register layout, and x goes to shared memory and
@@ -30,7 +31,12 @@ evenly over one wave of programs, partial tiles summed in program order by the t
 crossing a tile, the same fix-up over S parts. Tiles are numbered batch tile fastest, so the batch
 tiles of one block of weight rows run side by side and share its bytes through the L2.
 
-**Programmatic dependent launch** (``GluonTiles.pdl``, sm_90, not a default until timed): the
+**Warpgroup MMAs** (``GluonTiles.wgmma``, sm_90; the default from 33 rows there): the decoded
+weights are the register A operand of K = 64 wgmmas, x the B operand in shared memory in the MMA's
+k order (``mma_order`` on the host, or the kernel's own 4-byte copies: ``x_gather``), ``x_stages``
+pairs of it in flight; a pair's second chunk is decoded while the first chunk's wgmma runs.
+
+**Programmatic dependent launch** (``GluonTiles.pdl``, sm_90; the default up to 32 rows there): the
 kernel lets the next one in the stream launch at once, and a tile's first weights (which no earlier
 kernel writes) are loaded before ``griddepcontrol.wait``; x, y, the parts and the counters only after.
 
@@ -61,7 +67,8 @@ except (ImportError, AttributeError):  # pragma: no cover (a triton without Gluo
     gluon = gl = async_copy = mma_v2 = _cta_barrier = _cp_async = None
     fence_async_shared = warpgroup_mma = warpgroup_mma_wait = None
 
-MAX_M = 64  # batch rows w4a16_linear gives this kernel (H200 at 64: 1.03-1.09x cuBLAS, the Triton kernel 0.72-0.83x)
+MAX_M = 64  # batch rows w4a16_linear gives it before sm_90 (H200 at 64: 1.03-1.09x cuBLAS, Triton 0.72-0.83x)
+MAX_M_WGMMA = 256  # on sm_90, the wgmma tiles (H200 at 128 / 256 rows: 1.7-1.8x / 1.1x dequantize + cuBLAS)
 
 
 @functools.lru_cache(maxsize=None)
@@ -98,20 +105,33 @@ class GluonTiles:
     pdl: bool = False  # programmatic dependent launch (sm_90): weights loaded before waiting for the last kernel
 
 
-def default_tiles(m: int) -> GluonTiles:
-    """The launch tiles for ``m`` batch rows: the accumulator as narrow as the batch allows, with
-    the output rows, warps, prefetch depth, x staging and K split of the fastest tiles over the 27B's
-    three MLP shapes together in the H200 sweep of dceef97 (benchmarks/RESULTS.md): up to batch 8
-    64 rows x 4 warps, three pairs in flight, split-K filling one wave; at 16, 128 x 4 warps, one pair
-    in flight, x through shared memory, stream-K; at 32 the same with two pairs in flight; at 64
-    64 x 4 warps, two in flight, x through shared memory (the batch-64 sweep of a3b7df4)."""
+def default_tiles(m: int, sm90: bool = False) -> GluonTiles:
+    """The launch tiles for ``m`` batch rows (up to ``max_rows``): the accumulator as narrow as the
+    batch allows, with the output rows, warps, prefetch depth, x staging and K split of the fastest
+    tiles over the 27B's MLP shapes together in the H200 sweeps (benchmarks/RESULTS.md). Up to batch
+    8: 64 rows x 4 warps, three pairs in flight, split-K filling one wave; at 16, 128 x 4 warps, one
+    pair in flight, x through shared memory, stream-K; at 32 the same with two pairs in flight (dceef97);
+    at 64, 64 x 4 warps, two in flight, x through shared memory (a3b7df4). On sm_90 (``sm90``) these
+    launch with programmatic dependent launch, and from 33 rows the warpgroup-MMA tiles take over:
+    64 x 64 x 4 warps up to 64 rows, 128 x 128 x 8 warps (one or two batch tiles) up to 256 (the
+    2026-12-03 sweep of 822c4e9)."""
+    if sm90 and m > 32:
+        if m <= 64:
+            return GluonTiles(64, 64, 4, prefetch=2, wgmma=True, x_stages=3)
+        return GluonTiles(128, 128, 8, prefetch=2, wgmma=True, x_stages=3)
     if m <= 8:
-        return GluonTiles(64, 8, 4, prefetch=3, split=0)
+        return GluonTiles(64, 8, 4, prefetch=3, split=0, pdl=sm90)
     if m <= 16:
-        return GluonTiles(128, 16, 4, prefetch=1, x_smem=True)
+        return GluonTiles(128, 16, 4, prefetch=1, x_smem=True, pdl=sm90)
     if m <= 32:
-        return GluonTiles(128, 32, 4, prefetch=2, x_smem=True)
+        return GluonTiles(128, 32, 4, prefetch=2, x_smem=True, pdl=sm90)
     return GluonTiles(64, 64, 4, prefetch=2, x_smem=True)
+
+
+def max_rows(device: torch.device) -> int:
+    """The most batch rows ``w4a16_linear`` gives this kernel on ``device`` (0: it does not run there):
+    ``MAX_M_WGMMA`` on sm_90, else ``MAX_M``."""
+    return MAX_M_WGMMA if wgmma_available(device) else MAX_M if available(device) else 0
 
 
 def _bits(n: int) -> list[int]:
@@ -569,7 +589,7 @@ def w4a16_mma_matmul(x2: torch.Tensor, weight: tw.W4A16Weight, y: torch.Tensor,
     the default tiles; any M works, one batch tile after another)."""
     m, k = x2.shape
     n = weight.out_features
-    t = tiles or default_tiles(m)
+    t = tiles or default_tiles(m, wgmma_available(x2.device))
     if (t.block_m not in (8, 16, 32, 64) + ((128, 256) if t.wgmma else ()) or t.block_n % (16 * t.num_warps)
             or t.num_warps not in (1, 2, 4, 8) or t.prefetch not in (1, 2, 3) or (t.x_smem and 2 * t.num_warps > t.block_m)
             or (t.split is not None and t.split < 0)
@@ -618,14 +638,13 @@ def w4a16_mma_matmul(x2: torch.Tensor, weight: tw.W4A16Weight, y: torch.Tensor,
 
 
 def w4a16_linear(x: torch.Tensor, weight: tw.W4A16Weight, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ W^T as the model runs it: this kernel for batches of up to ``MAX_M`` rows of
+    """x [..., K] @ W^T as the model runs it: this kernel for batches of up to ``max_rows`` rows of
     bf16 / fp16 on a GPU that has it, else ``triton_w4a16.w4a16_matmul`` (the Triton kernel, the
     dequantize path for large batches, the interpreter and fp32)."""
     k, n = weight.in_features, weight.out_features
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
-    if not (0 < m <= MAX_M and x.dtype in (torch.bfloat16, torch.float16) and x.shape[-1] == k
-            and available(x.device)):
+    if not (0 < m <= max_rows(x.device) and x.dtype in (torch.bfloat16, torch.float16) and x.shape[-1] == k):
         return tw.w4a16_matmul(x, weight, out=out)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
