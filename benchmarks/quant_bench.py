@@ -94,7 +94,8 @@ def sweep_tiles(m: int) -> list:
     a tile; ``maxnreg`` 128 lets 4 programs of 4 warps share an SM; first the tiles with a chunk as
     one K = 64 dot, ``one_dot``). ``pdl`` tiles overlap each call with the one before (programmatic
     dependent launch): between back-to-back calls of this kernel that is the most they can overlap;
-    after the engine's other kernels (not launched with it) less."""
+    after the engine's other kernels (not launched with it) less. ``mma_overlap`` tiles come right
+    after the defaults."""
     from kvserve.kernels import gluon_w4a16 as g
     from kvserve.kernels.triton_w4a16 import W4A16Tiles
 
@@ -112,8 +113,11 @@ def sweep_tiles(m: int) -> list:
                   for pf in (1, 2) for st in (3, 4) for sp in (None, 0)]
                  + [T(128, bm, 8, None, pf, False, sp, wgmma=True, x_stages=3) for pf in (1, 2) for sp in (None, 0)]
                  + [T(64, bm, 4, None, 1, False, 1, wgmma=True, x_stages=3)])
-        wgmma = [t for t in wgmma if t not in first]
+        overlap = [dataclasses.replace(t, mma_overlap=True, x_stages=st) for t in (T(128, bm, 8, None, 2, wgmma=True),
+                   T(64, bm, 4, None, 2, wgmma=True)) for st in (3, 4) if bm >= 4 * t.num_warps]  # (first)
+        wgmma = [t for t in overlap + wgmma if t not in first]
     if m <= g.MAX_M and g.available(torch.device(DEV)):  # the Gluon kernel's grid: stream-K, then split-K
+        bm = 8 if m <= 8 else 16 if m <= 16 else 32 if m <= 32 else 64
         grid = [T(bn, bm, w, None, pf, xs, s) for bn, w in ((64, 4), (16, 1), (32, 2), (128, 4))
                 for pf in (1, 2, 3) for xs in (True, False) for s in (None, 0) if not (xs and 2 * w > bm)]
         return first + wgmma + [t for t in grid if t not in first]

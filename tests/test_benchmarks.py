@@ -4,6 +4,7 @@ installed needed), and ``gpu.sh``'s argument checks."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -69,6 +70,27 @@ def test_quant_smoke_times_the_w4a16_gemm_and_checks_it_against_the_dequantized_
     assert [(r["shape"], r["m"]) for r in fp8] == [("tiny_fp8", 1), ("tiny_fp8", 20)]
     assert all(r["dense_ms"] > 0 and r["fp8_ms"] > 0 and r["err_over_abs_sum"] <= r["fp32_bound"] for r in fp8)
     assert "summary: w4a16 / bf16 GEMM speed tiny m1" in out and "FP8Linear / bf16 tiny_fp8 m1" in out
+
+
+def test_quant_sweep_grid_on_an_sm90_device(monkeypatch):
+    """``quant_bench.sweep_tiles`` as an H200 builds it (Gluon and wgmma reported available): every
+    batch up to 256 gets a grid that starts with the default tiles without, then with, programmatic
+    dependent launch, holds no tile twice, and every Gluon tile in it passes the launcher's checks."""
+    import importlib
+
+    from kvserve.kernels import gluon_w4a16 as g
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    quant_bench = importlib.import_module("quant_bench")
+    monkeypatch.setattr(g, "available", lambda device: True)
+    monkeypatch.setattr(g, "wgmma_available", lambda device: True)
+    for m in (1, 8, 9, 16, 32, 33, 64, 65, 128, 200, 256):
+        grid = quant_bench.sweep_tiles(m)
+        d = g.default_tiles(m, sm90=True)
+        assert grid[0] == dataclasses.replace(d, pdl=False) and grid[1] == dataclasses.replace(d, pdl=True), m
+        assert len(grid) == len(set(map(repr, grid))), m
+        assert d.wgmma == (m > 32) and d.pdl == (m <= 32) and d.block_m >= min(m, 128)
+        assert all(t.wgmma or t.block_m in (8, 16, 32, 64) for t in grid if isinstance(t, g.GluonTiles))
 
 
 def test_kernels_smoke_checks_every_kernel_against_the_reference(tmp_path):

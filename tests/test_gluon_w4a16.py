@@ -87,25 +87,31 @@ def test_gluon_w4a16_tiles_and_stream_k(tiles):
                                    (64, 64, 4, None, 1, 1, 2, False), (64, 128, 4, 1, 2, None, 4, False),
                                    (128, 64, 8, None, 2, 3, 4, False), (64, 256, 4, None, 1, None, 2, False),
                                    (64, 32, 4, None, 2, 0, 3, True), (64, 16, 4, None, 3, None, 4, True),
-                                   (128, 64, 8, None, 1, None, 3, True)],
+                                   (128, 64, 8, None, 1, None, 3, True), (128, 128, 8, None, 2, None, 3, False, True),
+                                   (64, 64, 4, None, 1, 0, 4, True, True), (64, 128, 4, 1, 2, None, 3, False, True),
+                                   (128, 32, 8, None, 3, 3, 3, False, True)],
                          ids=lambda t: "x".join(map(str, t)))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gluon_w4a16_wgmma(tiles, dtype):
     """The warpgroup-MMA path (sm_90): batch tiles 16-256, one or two warpgroups, stream-K (one or
     more programs an SM), split-K (1, 3, a wave's worth), 2-4 x stages; M, N not multiples of the
     tile and K not of 128 (x zero-padded by ``mma_order``), or, with ``x_gather``, K a multiple of
-    128 and x put in MMA order by the kernel: within the float64 bound, the same bits on a second
-    call, the tile counters back at zero."""
+    128 and x put in MMA order by the kernel; with ``mma_overlap`` (the last field), each pair's second
+    wgmma left running into the next pair: within the float64 bound, the same bits on a second call,
+    the tile counters back at zero."""
     from kvserve.kernels import gluon_w4a16 as g
 
     if not g.wgmma_available(torch.device("cuda")):
         pytest.skip("warpgroup MMAs need sm_90")
-    bn, bm, nw, per_sm, prefetch, split, x_stages, x_gather = tiles
+    bn, bm, nw, per_sm, prefetch, split, x_stages, x_gather, overlap = (*tiles, False)[:9]
     m, n, k = 2 * bm - 3, 3 * bn + 5, 1152 + (0 if x_gather else 64)
-    t = g.GluonTiles(bn, bm, nw, per_sm, prefetch, False, split, wgmma=True, x_stages=x_stages, x_gather=x_gather)
+    t = g.GluonTiles(bn, bm, nw, per_sm, prefetch, False, split, wgmma=True, x_stages=x_stages, x_gather=x_gather,
+                     mma_overlap=overlap)
     x, wt, y = _tiles_ok(m, n, k, bn + bm + nw + x_stages, dtype, t)
     with pytest.raises(ValueError, match="x_stages 2, 3 or 4"):
         g.w4a16_mma_matmul(x, wt, y, g.GluonTiles(bn, bm, nw, wgmma=True, x_stages=5))
+    with pytest.raises(ValueError, match="mma_overlap: wgmma with x_stages 3 or 4"):
+        g.w4a16_mma_matmul(x, wt, y, g.GluonTiles(bn, bm, nw, wgmma=True, x_stages=2, mma_overlap=True))
 
 
 @gpu
@@ -245,7 +251,7 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from kvserve.kernels import gluon_w4a16 as g
 
-bn, bm, nw, fp16, even_k, prefetch, x_smem, wgmma, x_stages, x_gather, pdl = json.loads(sys.argv[1])
+bn, bm, nw, fp16, even_k, prefetch, x_smem, wgmma, x_stages, x_gather, pdl, overlap = (json.loads(sys.argv[1]) + [False])[:12]
 if g.gluon is None:
     print(json.dumps(None))
     sys.exit()
@@ -260,7 +266,7 @@ if wgmma:
     xcp = g._x_chunk_copy_layout(nw, x_gather)
 consts = dict(BLOCK_N=bn, BLOCK_M=bm, NUM_WARPS=nw, FP16=fp16, EVEN_K=even_k, PREFETCH=prefetch, X_SMEM=x_smem,
               PAIR_L=pair, SCALE_L=scales, CHUNK_L=chunk, ACT_L=acts, XCP_L=xcp, XS_L=xs, WGMMA=wgmma,
-              X_STAGES=x_stages, X_GATHER=x_gather, PDL=pdl)
+              X_STAGES=x_stages, X_GATHER=x_gather, PDL=pdl, OVERLAP=overlap)
 aligned = ("x_ptr", "w_ptr", "s_ptr", "g_ptr", "y_ptr", "part_ptr", "lock_ptr", "stride_xm", "stride_wn", "stride_wp",
            "stride_ym")  # as the launcher specializes them (16-byte aligned tensors, strides multiples of 16)
 attrs = {(list(sig).index(a),): [["tt.divisibility", 16]] for a in aligned}
@@ -287,10 +293,13 @@ print(json.dumps({"mma": ptx.count("mma.sync.aligned.m16n8k16"), "ld_shared": pt
                                      (128, 64, 8, True, True, 1, False, True, 4, False, False),
                                      (64, 32, 4, False, True, 2, False, True, 3, True, True),
                                      (64, 64, 4, False, True, 2, False, True, 3, False, False),
-                                     (128, 128, 8, False, True, 2, False, True, 3, False, False)],
+                                     (128, 128, 8, False, True, 2, False, True, 3, False, False),
+                                     (128, 128, 8, False, True, 2, False, True, 3, False, False, True),
+                                     (64, 64, 4, True, True, 1, False, True, 4, True, True, True)],
                          ids=["bf16-bm8-prefetch2", "fp16-bm32-oddK-prefetch2", "bf16-bm16-prefetch3",
                               "bf16-bm32-x-smem-pdl", "bf16-default-bm8-pdl", "bf16-wgmma-bm128", "fp16-wgmma-bm64-8warps",
-                              "bf16-wgmma-bm32-gather-pdl", "bf16-default-wgmma-bm64", "bf16-default-wgmma-bm128"])
+                              "bf16-wgmma-bm32-gather-pdl", "bf16-default-wgmma-bm64", "bf16-default-wgmma-bm128",
+                              "bf16-wgmma-bm128-overlap", "fp16-wgmma-bm64-gather-pdl-overlap"])
 def test_gluon_w4a16_compiles_for_sm90(variant):
     """The kernel compiles to sm_90 with this machine's triton: mma.sync (the unrolled loop's and its
     tail's), no spills, and shared memory only to hand the tile counter's value (one atomic) to the

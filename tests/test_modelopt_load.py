@@ -195,7 +195,8 @@ def test_nvfp4_layers_run_the_w4a16_gemm_on_the_triton_backend(export, tmp_path,
     largest = max(p.shape[0] * (p.shape[1] * 128 - 127) * 4 for n, p in params.items() if n.endswith(".codes"))
     assert float(sizes[0].rsplit("large-batch buffer ", 1)[1].split()[0]) * (1 << 20) >= largest * 0.999
     kinds = {"llama": "lm_head none, mlp.down_proj NVFP4, mlp.gate_up_proj NVFP4, self_attn.o_proj NVFP4, self_attn.qkv_proj NVFP4",
-             "qwen3_5": "linear_attn.in_proj_qkvzba FP8+none, linear_attn.out_proj FP8, lm_head W4A16_NVFP4, "
+             "qwen3_5": "linear_attn.in_proj_ba none, linear_attn.in_proj_qkvz FP8, linear_attn.out_proj FP8, "
+                        "lm_head W4A16_NVFP4, "
                         "mlp.down_proj W4A16_NVFP4, mlp.gate_up_proj W4A16_NVFP4, self_attn.o_proj FP8, "
                         "self_attn.qkv_proj FP8"}
     if arch in kinds:  # the start-up line says how each kind of layer is stored, once
@@ -249,8 +250,8 @@ def test_fp8_layers_keep_fp8_and_run_the_scaled_gemm(export, monkeypatch, kvlog,
     """Where the FP8 GEMM runs (``FP8_GEMM_DEVICES``: CUDA; the CPU here, where torch._scaled_mm runs
     too), every Linear whose checkpoint shards are all FP8 keeps its fp8 weight with one weight scale
     and one input scale, the largest of its shards' in the checkpoint (fused q | k | v and gate | up
-    requantized to it: tests/test_fp8_linear.py); mixed fused modules (the Qwen3.5 GDN input GEMM)
-    stay dense. The run equals the same engine with each FP8Linear replaced by a dense Linear of
+    requantized to it: tests/test_fp8_linear.py); the Qwen3.5 GDN input projections packed as vLLM
+    packs them, so q | k | v | z (FP8) keeps FP8 and b | a (unquantized) stays dense. The run equals the same engine with each FP8Linear replaced by a dense Linear of
     its dequantized weight and a pre-hook that fake-quantizes its input alike (float32: tokens
     exactly; logprobs within 1e-4, the two products round differently in fp32)."""
     from kvserve.layers import quant_linear
@@ -261,16 +262,19 @@ def test_fp8_layers_keep_fp8_and_run_the_scaled_gemm(export, monkeypatch, kvlog,
     folder = export(arch, algo, kv=None)
     ckpt = _checkpoint(folder)
     stacked = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
-               "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+               "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "in_proj_qkv": "in_proj_qkvz",
+               "in_proj_z": "in_proj_qkvz"}
     llm = LLM(str(folder), dtype="float32", kv_cache_dtype="auto", kv_cache_memory=1 << 22, max_num_seqs=4,
               max_num_batched_tokens=16)
     model = llm.llm_engine.runner.model
     fp8 = {n: m for n, m in model.named_modules() if isinstance(m, FP8Linear)}
-    assert fp8 and not any("in_proj" in n for n in fp8)
+    assert fp8 and not any("in_proj_ba" in n for n in fp8)
     if algo == "FP8":
         assert {n.rsplit(".", 1)[-1] for n in fp8} == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
     else:
-        assert {n.rsplit(".", 1)[-1] for n in fp8} == {"qkv_proj", "o_proj", "out_proj"}
+        assert {n.rsplit(".", 1)[-1] for n in fp8} == {"qkv_proj", "o_proj", "out_proj", "in_proj_qkvz"}
+        ba = [m for n, m in model.named_modules() if n.endswith("linear_attn.in_proj_ba")]
+        assert ba and all(type(m) is torch.nn.Linear for m in ba)
     for name, m in fp8.items():
         parent, leaf = name.rsplit(".", 1)
         shards = [f"{parent}.{c}" for c, f in stacked.items() if f == leaf] or [name]

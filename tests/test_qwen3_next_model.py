@@ -312,9 +312,12 @@ def test_structure(kv_models) -> None:
     names = dict(model.named_parameters())
     assert "model.layers.0.linear_attn.in_proj_qkvz.weight" in names
     assert "model.layers.0.linear_attn.conv1d.weight" in names
-    # Qwen3.5's four GDN input projections load as the shards of one fused GEMM
-    fused = dict(kv_models["qwen3_5"].named_modules())["model.layers.0.linear_attn.in_proj_qkvzba"]
-    assert fused.shard_sizes == [2 * 2 * 16 + 4 * 24, 4 * 24, 4, 4]
+    # Qwen3.5's four GDN input projections load as vLLM packs them: qkv | z and b | a, two GEMMs
+    mods = dict(kv_models["qwen3_5"].named_modules())
+    assert mods["model.layers.0.linear_attn.in_proj_qkvz"].shard_sizes == [2 * 2 * 16 + 4 * 24, 4 * 24]
+    assert mods["model.layers.0.linear_attn.in_proj_ba"].shard_sizes == [4, 4]
+    assert kv_models["qwen3_5"].stacked_params["in_proj_a"] == ("in_proj_ba", 1)
+    assert "in_proj_qkv" not in model.stacked_params  # Qwen3-Next's in_proj_qkvz is a checkpoint name
     # KV scales map onto the full-attention layers' Attention modules
     assert "model.layers.1.self_attn.attn" in dict(model.named_modules())
 

@@ -101,6 +101,9 @@ class GluonTiles:
     split: int | None = None
     wgmma: bool = False  # sm_90 warpgroup MMAs (K = 64, x permuted by ``mma_order`` as B in shared memory)
     x_stages: int = 3  # with wgmma: pairs of x in shared memory (x_stages - 1 copies in flight)
+    # with wgmma and x_stages >= 3: a pair's second wgmma runs on while the next pair's first chunk is
+    # decoded and multiplied (x copies then x_stages - 2 pairs ahead)
+    mma_overlap: bool = False
     x_gather: bool = False  # with wgmma and K % 128 == 0: x put in MMA order by the kernel's 4-byte copies
     pdl: bool = False  # programmatic dependent launch (sm_90): weights loaded before waiting for the last kernel
 
@@ -340,35 +343,48 @@ if gluon is not None:
         async_copy.commit_group()
 
     @gluon.jit
-    def _pair_wgmma(acc, w, s, pair, p_begin, p_end, x_from, x_smem, X_STAGES: gl.constexpr, FP16: gl.constexpr,
-                    A: gl.constexpr, CHUNK_L: gl.constexpr, BLOCK_N: gl.constexpr):
+    def _pair_wgmma(acc, a_prev, w, s, pair, p_begin, p_end, x_from, x_smem, X_STAGES: gl.constexpr,
+                    OVERLAP: gl.constexpr, FP16: gl.constexpr, A: gl.constexpr, CHUNK_L: gl.constexpr,
+                    BLOCK_N: gl.constexpr):
         """acc += pair ``pair`` by two K = 64 wgmmas: A the weights decoded in registers, B this pair's
-        stage of permuted x in shared memory (copied X_STAGES - 1 pairs ago; the copy X_STAGES - 1 pairs
-        ahead starts here, into the stage the previous pair read). The first chunk is decoded while
-        the copy is awaited, the second while the first chunk's wgmma runs."""
+        stage of permuted x in shared memory (copied AHEAD pairs ago; the copy AHEAD pairs ahead starts
+        here, into the stage the pair AHEAD - X_STAGES ago read). The first chunk is decoded while the
+        copy is awaited, the second while the first chunk's wgmma runs. Without OVERLAP (AHEAD =
+        X_STAGES - 1) both wgmmas are awaited here; with it (AHEAD = X_STAGES - 2) the second runs on
+        into the next pair and is awaited there, after that pair's first wgmma is issued (``a_prev``:
+        its A operand, kept alive until then). Returns (acc, a_prev)."""
+        AHEAD: gl.constexpr = X_STAGES - 2 if OVERLAP else X_STAGES - 1
         w0, s0, w1, s1 = _split_pair(w, s, FP16, BLOCK_N)
         a0 = _chunk_operand(w0, s0, FP16, CHUNK_L, BLOCK_N, A)
         stage = (pair - p_begin) % X_STAGES
-        async_copy.wait_group(X_STAGES - 2)  # this pair's copy has landed, for this thread
+        async_copy.wait_group(AHEAD - 1)  # this pair's copy has landed, for this thread
         fence_async_shared()  # (the copy's generic-proxy writes before the wgmma's async-proxy reads)
-        _cta_barrier()  # ... for every thread; and every warpgroup's wgmma of the last pair is done
-        _copy_x_chunks(x_smem, (stage + X_STAGES - 1) % X_STAGES, x_from,
-                       gl.minimum(pair + X_STAGES - 1, p_end - 1) * 128)
+        _cta_barrier()  # ... for every thread; and every warpgroup is done with the stage copied next
+        _copy_x_chunks(x_smem, (stage + AHEAD) % X_STAGES, x_from, gl.minimum(pair + AHEAD, p_end - 1) * 128)
         acc = warpgroup_mma(a0, x_smem.index(2 * stage).permute((1, 0)), acc, is_async=True)
+        if OVERLAP:
+            acc, a_prev = warpgroup_mma_wait(1, deps=[acc, a_prev])  # the last pair's second wgmma is done
         a1 = _chunk_operand(w1, s1, FP16, CHUNK_L, BLOCK_N, A)
         acc = warpgroup_mma(a1, x_smem.index(2 * stage + 1).permute((1, 0)), acc, is_async=True)
-        return warpgroup_mma_wait(0, deps=[acc])
+        if OVERLAP:
+            acc, a0 = warpgroup_mma_wait(1, deps=[acc, a0])  # this pair's first; its second runs on
+            a_prev = a1
+        else:
+            acc = warpgroup_mma_wait(0, deps=[acc])
+        return acc, a_prev
 
     @gluon.jit
-    def _pair_step(acc, w, s, pair, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K, EVEN_K: gl.constexpr,
-                   X_SMEM: gl.constexpr, WGMMA: gl.constexpr, X_STAGES: gl.constexpr, FP16: gl.constexpr,
+    def _pair_step(acc, a_prev, w, s, pair, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K, EVEN_K: gl.constexpr,
+                   X_SMEM: gl.constexpr, WGMMA: gl.constexpr, X_STAGES: gl.constexpr, OVERLAP: gl.constexpr,
+                   FP16: gl.constexpr,
                    A: gl.constexpr, B: gl.constexpr, CHUNK_L: gl.constexpr, BLOCK_N: gl.constexpr,
                    BLOCK_M: gl.constexpr, XS_L: gl.constexpr, ACT_L: gl.constexpr):
         """acc += pair ``pair`` (codes w, scales s already in registers), its x from global memory or,
         with X_SMEM, from the stage copied a pair ago (the next pair's copy started here); with WGMMA
-        by ``_pair_wgmma``."""
+        by ``_pair_wgmma`` (``a_prev``: see there; passed through otherwise). Returns (acc, a_prev)."""
         if WGMMA:
-            acc = _pair_wgmma(acc, w, s, pair, p_begin, p_end, x_from, x_smem, X_STAGES, FP16, A, CHUNK_L, BLOCK_N)
+            acc, a_prev = _pair_wgmma(acc, a_prev, w, s, pair, p_begin, p_end, x_from, x_smem, X_STAGES, OVERLAP,
+                                      FP16, A, CHUNK_L, BLOCK_N)
         else:
             if X_SMEM:
                 stage = (pair - p_begin) % 2
@@ -382,7 +398,7 @@ if gluon is not None:
                 xa = _load_x(x_cols, x_feat, pair * 128, K, EVEN_K)
                 xb = _load_x(x_cols, x_feat, pair * 128 + 64, K, EVEN_K)
             acc = _pair_mma(acc, w, s, xa, xb, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M)
-        return acc
+        return acc, a_prev
 
     @gluon.constexpr_function
     def _fixup_width(block_n, block_m, num_warps):
@@ -458,7 +474,7 @@ if gluon is not None:
         EVEN_K: gl.constexpr, PREFETCH: gl.constexpr, X_SMEM: gl.constexpr, PAIR_L: gl.constexpr, SCALE_L: gl.constexpr,
         CHUNK_L: gl.constexpr,
         ACT_L: gl.constexpr, XCP_L: gl.constexpr, XS_L: gl.constexpr, WGMMA: gl.constexpr, X_STAGES: gl.constexpr,
-        X_GATHER: gl.constexpr, PDL: gl.constexpr,
+        X_GATHER: gl.constexpr, PDL: gl.constexpr, OVERLAP: gl.constexpr,
     ):
         """Program p takes units [p U / P, (p + 1) U / P) of U = tiles x pairs (tile-major). With WGMMA,
         x is the permuted copy (``mma_order``, K a multiple of 128) and X_STAGES of its pairs are staged;
@@ -519,6 +535,10 @@ if gluon is not None:
             x_rows = gl.minimum(m0 + xm, M - 1).to(gl.int64)
             x_cols = x_ptr + (x_feat + gl.expand_dims(gl.expand_dims(x_rows * stride_xm, 0), 1))
             acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
+            if OVERLAP:  # the A operand of the wgmma left running into the next pair (none yet)
+                a_prev = gl.zeros([BLOCK_N, 64], x_ptr.dtype.element_ty, A)
+            else:
+                a_prev = p_begin  # (a placeholder, passed through)
             # PREFETCH + 1 register buffers, each refilled with the pair PREFETCH + 1 ahead right after
             # its pair is multiplied, so PREFETCH pairs stay in flight. The loop body takes one pair a
             # buffer: a buffer never moves to other registers (a register copy of a load's target waits
@@ -532,7 +552,7 @@ if gluon is not None:
             if WGMMA:
                 x_from = x_ptr + (gl.expand_dims(gl.minimum(m0 + cm, M - 1).to(gl.int64) * stride_xm, 1) + cf)
                 _cta_barrier()  # the last tile's wgmmas are done in every warpgroup
-                for st in gl.static_range(X_STAGES - 1):  # the first X_STAGES - 1 pairs' copies
+                for st in gl.static_range(X_STAGES - 2 if OVERLAP else X_STAGES - 1):  # the first pairs' copies
                     _copy_x_chunks(x_smem, st, x_from, gl.minimum(p_begin + st, p_end - 1) * 128)
             elif X_SMEM:
                 x_from = x_ptr + (gl.expand_dims(gl.minimum(m0 + cm, M - 1).to(gl.int64) * stride_xm, 1) + cf)
@@ -543,39 +563,41 @@ if gluon is not None:
             if not PDL:
                 w0, s0, w1, s1, w2, s2, w3, s3 = _first_pairs(w_rows, s_rows, p_begin, p_last, stride_wp, stride_sp, D)
             for _ in range(blocks):
-                acc = _pair_step(acc, w0, s0, pair, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K, EVEN_K,
-                                 X_SMEM, WGMMA, X_STAGES, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L,
+                acc, a_prev = _pair_step(acc, a_prev, w0, s0, pair, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K, EVEN_K,
+                                 X_SMEM, WGMMA, X_STAGES, OVERLAP, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L,
                                  ACT_L)
                 w0, s0 = _load_w(w_rows, s_rows, pair + D, p_last, stride_wp, stride_sp)
-                acc = _pair_step(acc, w1, s1, pair + 1, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K, EVEN_K,
-                                 X_SMEM, WGMMA, X_STAGES, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L,
+                acc, a_prev = _pair_step(acc, a_prev, w1, s1, pair + 1, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K, EVEN_K,
+                                 X_SMEM, WGMMA, X_STAGES, OVERLAP, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L,
                                  ACT_L)
                 w1, s1 = _load_w(w_rows, s_rows, pair + 1 + D, p_last, stride_wp, stride_sp)
                 if D >= 3:
-                    acc = _pair_step(acc, w2, s2, pair + 2, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K,
-                                     EVEN_K, X_SMEM, WGMMA, X_STAGES, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L,
+                    acc, a_prev = _pair_step(acc, a_prev, w2, s2, pair + 2, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K,
+                                     EVEN_K, X_SMEM, WGMMA, X_STAGES, OVERLAP, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L,
                                  ACT_L)
                     w2, s2 = _load_w(w_rows, s_rows, pair + 2 + D, p_last, stride_wp, stride_sp)
                 if D >= 4:
-                    acc = _pair_step(acc, w3, s3, pair + 3, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K,
-                                     EVEN_K, X_SMEM, WGMMA, X_STAGES, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L,
+                    acc, a_prev = _pair_step(acc, a_prev, w3, s3, pair + 3, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K,
+                                     EVEN_K, X_SMEM, WGMMA, X_STAGES, OVERLAP, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L,
                                  ACT_L)
                     w3, s3 = _load_w(w_rows, s_rows, pair + 3 + D, p_last, stride_wp, stride_sp)
                 pair += D
             if pair < p_end:  # the last (p_end - p_begin) % D pairs, already loaded
-                acc = _pair_step(acc, w0, s0, pair, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K, EVEN_K,
-                                 X_SMEM, WGMMA, X_STAGES, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L,
+                acc, a_prev = _pair_step(acc, a_prev, w0, s0, pair, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K, EVEN_K,
+                                 X_SMEM, WGMMA, X_STAGES, OVERLAP, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L,
                                  ACT_L)
             if D >= 3:
                 if pair + 1 < p_end:
-                    acc = _pair_step(acc, w1, s1, pair + 1, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K,
-                                     EVEN_K, X_SMEM, WGMMA, X_STAGES, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L,
+                    acc, a_prev = _pair_step(acc, a_prev, w1, s1, pair + 1, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K,
+                                     EVEN_K, X_SMEM, WGMMA, X_STAGES, OVERLAP, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L,
                                  ACT_L)
             if D >= 4:
                 if pair + 2 < p_end:
-                    acc = _pair_step(acc, w2, s2, pair + 2, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K,
-                                     EVEN_K, X_SMEM, WGMMA, X_STAGES, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L,
+                    acc, a_prev = _pair_step(acc, a_prev, w2, s2, pair + 2, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K,
+                                     EVEN_K, X_SMEM, WGMMA, X_STAGES, OVERLAP, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L,
                                  ACT_L)
+            if OVERLAP:
+                acc, a_prev = warpgroup_mma_wait(0, deps=[acc, a_prev])  # the tile's last wgmma
             if X_SMEM or WGMMA:
                 async_copy.wait_group(0)  # the loop's last (redundant) copies, before the next tile's
             _finish_tile(acc, g_ptr, y_ptr, part_ptr, lock_ptr, M, N, n0, m0, p, u == u_lo, tile, p_begin, p_end,
@@ -593,11 +615,12 @@ def w4a16_mma_matmul(x2: torch.Tensor, weight: tw.W4A16Weight, y: torch.Tensor,
     if (t.block_m not in (8, 16, 32, 64) + ((128, 256) if t.wgmma else ()) or t.block_n % (16 * t.num_warps)
             or t.num_warps not in (1, 2, 4, 8) or t.prefetch not in (1, 2, 3) or (t.x_smem and 2 * t.num_warps > t.block_m)
             or (t.split is not None and t.split < 0)
-            or (t.wgmma and (t.num_warps % 4 or t.block_m < 4 * t.num_warps or t.x_stages not in (2, 3, 4)))):
+            or (t.wgmma and (t.num_warps % 4 or t.block_m < 4 * t.num_warps or t.x_stages not in (2, 3, 4)))
+            or (t.mma_overlap and not (t.wgmma and t.x_stages >= 3))):
         raise ValueError(f"w4a16_mma_matmul: {t} needs block_m in 8, 16, 32, 64, block_n a multiple of "
                          f"16 x num_warps, num_warps in 1, 2, 4, 8 and prefetch 1, 2 or 3 (x_smem: block_m >= 2 x "
                          f"num_warps; split None or >= 0; wgmma: block_m up to 256 and >= 4 x num_warps, num_warps "
-                         f"4 or 8, x_stages 2, 3 or 4)")
+                         f"4 or 8, x_stages 2, 3 or 4; mma_overlap: wgmma with x_stages 3 or 4)")
     n_pairs = weight.codes.shape[1]
     gather = t.wgmma and t.x_gather and k % 128 == 0
     if t.wgmma and not gather:
@@ -612,7 +635,8 @@ def w4a16_mma_matmul(x2: torch.Tensor, weight: tw.W4A16Weight, y: torch.Tensor,
     meta = dict(BLOCK_N=t.block_n, BLOCK_M=t.block_m, NUM_WARPS=t.num_warps, FP16=x2.dtype == torch.float16,
                 EVEN_K=k % 128 == 0 or t.wgmma, PREFETCH=t.prefetch, X_SMEM=t.x_smem and k % 128 == 0 and not t.wgmma,
                 XCP_L=xcp_l, XS_L=xs_l, PAIR_L=pair_l, SCALE_L=scale_l, CHUNK_L=chunk_l, ACT_L=act_l,
-                WGMMA=t.wgmma, X_STAGES=t.x_stages, X_GATHER=gather, PDL=t.pdl, launch_pdl=t.pdl,
+                WGMMA=t.wgmma, X_STAGES=t.x_stages, X_GATHER=gather, PDL=t.pdl, OVERLAP=t.mma_overlap,
+                launch_pdl=t.pdl,
                 num_warps=t.num_warps)
     codes, scales = weight.codes.view(torch.int32), weight.scales.view(torch.int16)  # [N, pair, 16 / 4]
 

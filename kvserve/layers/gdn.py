@@ -63,7 +63,9 @@ class GatedDeltaNet(nn.Module):
     ``grouped_layout``: Qwen3-Next's fused ``in_proj_qkvz`` / ``in_proj_ba`` (rows grouped per key
     head: [q_g | k_g | v_g (r heads) | z_g (r heads)] and [b_g (r) | a_g (r)]); otherwise Qwen3.5's
     separate ``in_proj_qkv`` ([q | k | v]), ``in_proj_z``, ``in_proj_b``, ``in_proj_a``, loaded as
-    the shards of one ``in_proj_qkvzba``."""
+    vLLM packs them: the shards of ``in_proj_qkvz`` (qkv | z) and of ``in_proj_ba`` (b | a), two
+    GEMMs, so that each keeps its own scheme in a ModelOpt export (the 27B's qkv and z are FP8, b and
+    a unquantized)."""
 
     def __init__(self, cfg: Any, layer_idx: int, grouped_layout: bool) -> None:
         super().__init__()
@@ -84,10 +86,12 @@ class GatedDeltaNet(nn.Module):
         if grouped_layout:
             self.in_proj_qkvz = nn.Linear(hidden, 2 * self.key_dim + 2 * self.value_dim, bias=False)
             self.in_proj_ba = nn.Linear(hidden, 2 * self.num_v_heads, bias=False)
-        else:  # the checkpoint's in_proj_qkv | in_proj_z | in_proj_b | in_proj_a as one GEMM (as vLLM)
-            self.proj_sizes = [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads]
-            self.in_proj_qkvzba = nn.Linear(hidden, sum(self.proj_sizes), bias=False)
-            self.in_proj_qkvzba.shard_sizes = self.proj_sizes
+        else:  # the checkpoint's in_proj_qkv | in_proj_z and in_proj_b | in_proj_a as two GEMMs (as vLLM)
+            self.qkvz_sizes, self.ba_sizes = [self.conv_dim, self.value_dim], [self.num_v_heads] * 2
+            self.in_proj_qkvz = nn.Linear(hidden, sum(self.qkvz_sizes), bias=False)
+            self.in_proj_qkvz.shard_sizes = self.qkvz_sizes
+            self.in_proj_ba = nn.Linear(hidden, sum(self.ba_sizes), bias=False)
+            self.in_proj_ba.shard_sizes = self.ba_sizes
         # depthwise causal conv, stored like nn.Conv1d's weight: [conv_dim, 1, W]
         self.conv1d = nn.Module()
         self.conv1d.weight = nn.Parameter(torch.zeros(self.conv_dim, 1, self.conv_kernel))
@@ -117,8 +121,9 @@ class GatedDeltaNet(nn.Module):
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> mixed q|k|v [T, conv_dim] (conv channel order), z [T, HV, V], b [T, HV], a [T, HV]."""
         t = x.shape[0]
-        if not self.grouped_layout:  # views of one output (row stride = all four widths)
-            mixed, z, b, a = self.in_proj_qkvzba(x).split(self.proj_sizes, dim=-1)
+        if not self.grouped_layout:  # views of the two outputs
+            mixed, z = self.in_proj_qkvz(x).split(self.qkvz_sizes, dim=-1)
+            b, a = self.in_proj_ba(x).split(self.ba_sizes, dim=-1)
             return mixed, z.view(t, self.num_v_heads, self.head_v_dim), b, a
         r = self.num_v_heads // self.num_k_heads
         k_dim, rv = self.head_k_dim, r * self.head_v_dim

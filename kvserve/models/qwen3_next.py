@@ -252,18 +252,18 @@ class HybridModel(DecoderStack):
         self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
+# Qwen3.5 / 3.6 checkpoint GDN projections -> (kvserve's fused Linear, shard): vLLM's packing
+QWEN3_5_GDN_SHARDS = {
+    "in_proj_qkv": ("in_proj_qkvz", 0),
+    "in_proj_z": ("in_proj_qkvz", 1),
+    "in_proj_b": ("in_proj_ba", 0),
+    "in_proj_a": ("in_proj_ba", 1),
+}
+
+
 class Qwen3NextForCausalLM(CausalLM):
     """Hybrid GDN decoder + LM head for every architecture in ``HYBRID_ARCHITECTURES``; weights load
     by Hugging Face name (q/k/v and dense gate/up fused; per-expert or 3-D fused expert tensors)."""
-
-    # Qwen3.5 / 3.6 checkpoints keep the GDN input projections apart; kvserve runs them as one GEMM
-    stacked_params = {
-        **CausalLM.stacked_params,
-        "in_proj_qkv": ("in_proj_qkvzba", 0),
-        "in_proj_z": ("in_proj_qkvzba", 1),
-        "in_proj_b": ("in_proj_qkvzba", 2),
-        "in_proj_a": ("in_proj_qkvzba", 3),
-    }
 
     is_hybrid = True
 
@@ -278,6 +278,8 @@ class Qwen3NextForCausalLM(CausalLM):
         check_supported(cfg, ffn)
         self.architecture = architecture
         self.config = cfg
+        if not grouped:  # Qwen3.5 / 3.6 keep the GDN input projections apart: packed as vLLM packs them
+            self.stacked_params = {**self.stacked_params, **QWEN3_5_GDN_SHARDS}
         self.model = HybridModel(cfg, grouped, ffn)
         # routed experts read their per-expert token counts on the host (Experts.forward): not capturable
         # (NVFP4Experts would be; the runner keeps MoE models eager until issue 18's fused MoE)
