@@ -89,7 +89,7 @@ def test_quant_sweep_grid_on_an_sm90_device(monkeypatch):
         d = g.default_tiles(m, sm90=True)
         assert grid[0] == dataclasses.replace(d, pdl=False) and grid[1] == dataclasses.replace(d, pdl=True), m
         assert len(grid) == len(set(map(repr, grid))), m
-        assert d.wgmma == (m > 32) and d.pdl == (m <= 32) and d.block_m >= min(m, 128)
+        assert d.wgmma == (m > 32) and d.pdl == (m <= 32) and d.mma_overlap == (m > 64) and d.block_m >= min(m, 128)
         assert all(t.wgmma or t.block_m in (8, 16, 32, 64) for t in grid if isinstance(t, g.GluonTiles))
 
 

@@ -228,6 +228,7 @@ def test_w4a16_linear_dispatch_and_cuda_graph(monkeypatch):
         assert y.shape == (2, m, n) and _bound_ok(y.reshape(-1, n).cpu(), x.reshape(-1, k).cpu(), w64,
                                                  weight_unit=2.0**-8 if 2 * m > top else 0.0)
     assert g.default_tiles(8, sm90).pdl == sm90 and g.default_tiles(64, sm90).wgmma == sm90
+    assert g.default_tiles(200, sm90).mma_overlap == sm90
     monkeypatch.undo()
     x32 = torch.randn(3, k, generator=gen).cuda()
     assert torch.equal(g.w4a16_linear(x32, wt), w4a16_matmul(x32, wt))
@@ -251,7 +252,8 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from kvserve.kernels import gluon_w4a16 as g
 
-bn, bm, nw, fp16, even_k, prefetch, x_smem, wgmma, x_stages, x_gather, pdl, overlap = (json.loads(sys.argv[1]) + [False])[:12]
+variant = (json.loads(sys.argv[1]) + [False])[:12]  # (overlap: False unless given)
+bn, bm, nw, fp16, even_k, prefetch, x_smem, wgmma, x_stages, x_gather, pdl, overlap = variant
 if g.gluon is None:
     print(json.dumps(None))
     sys.exit()
@@ -298,16 +300,17 @@ print(json.dumps({"mma": ptx.count("mma.sync.aligned.m16n8k16"), "ld_shared": pt
                                      (64, 64, 4, True, True, 1, False, True, 4, True, True, True)],
                          ids=["bf16-bm8-prefetch2", "fp16-bm32-oddK-prefetch2", "bf16-bm16-prefetch3",
                               "bf16-bm32-x-smem-pdl", "bf16-default-bm8-pdl", "bf16-wgmma-bm128", "fp16-wgmma-bm64-8warps",
-                              "bf16-wgmma-bm32-gather-pdl", "bf16-default-wgmma-bm64", "bf16-default-wgmma-bm128",
-                              "bf16-wgmma-bm128-overlap", "fp16-wgmma-bm64-gather-pdl-overlap"])
+                              "bf16-wgmma-bm32-gather-pdl", "bf16-default-wgmma-bm64", "bf16-wgmma-bm128-8warps",
+                              "bf16-default-wgmma-bm128-overlap", "fp16-wgmma-bm64-gather-pdl-overlap"])
 def test_gluon_w4a16_compiles_for_sm90(variant):
     """The kernel compiles to sm_90 with this machine's triton: mma.sync (the unrolled loop's and its
     tail's), no spills, and shared memory only to hand the tile counter's value (one atomic) to the
     program's threads, or with ``x_smem`` for x's two stages; the weights are never staged there.
     The default tiles (batch 8; wgmma 64 and 128 rows) are among them. With ``wgmma``: m64nBMk16
-    wgmmas (four a chunk, two chunks a pair, for each 64 rows of a warpgroup), A from registers (no shared-memory round trip: the one
-    ld.shared is the counter's), x's stages the only shared memory; with ``x_gather`` x's copies are
-    4-byte pieces (two features of one MMA column pair). With ``pdl`` the kernel lets the next one
+    wgmmas (four a chunk, two chunks a pair, for each 64 rows of a warpgroup), A from registers (no
+    shared-memory round trip: the one ld.shared is the counter's), x's stages the only shared memory
+    (with ``mma_overlap``, the last field, too: one copy fewer in flight, the same buffers); with
+    ``x_gather`` x's copies are 4-byte pieces (two features of one MMA column pair). With ``pdl`` the kernel lets the next one
     launch and waits for the previous one (one griddepcontrol each, before the tile loop's x and stores:
     the wait sits in the loop, once a tile); without it, neither. (In a fresh process, outside the
     interpreter mode and its patches that this test session runs under.)"""

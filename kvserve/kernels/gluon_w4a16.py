@@ -34,7 +34,8 @@ tiles of one block of weight rows run side by side and share its bytes through t
 **Warpgroup MMAs** (``GluonTiles.wgmma``, sm_90; the default from 33 rows there): the decoded
 weights are the register A operand of K = 64 wgmmas, x the B operand in shared memory in the MMA's
 k order (``mma_order`` on the host, or the kernel's own 4-byte copies: ``x_gather``), ``x_stages``
-pairs of it in flight; a pair's second chunk is decoded while the first chunk's wgmma runs.
+pairs of it in flight; a pair's second chunk is decoded while the first chunk's wgmma runs. With
+``mma_overlap`` (the default from 65 rows) a pair's second wgmma runs on into the next pair.
 
 **Programmatic dependent launch** (``GluonTiles.pdl``, sm_90; the default up to 32 rows there): the
 kernel lets the next one in the stream launch at once, and a tile's first weights (which no earlier
@@ -68,7 +69,7 @@ except (ImportError, AttributeError):  # pragma: no cover (a triton without Gluo
     fence_async_shared = warpgroup_mma = warpgroup_mma_wait = None
 
 MAX_M = 64  # batch rows w4a16_linear gives it before sm_90 (H200 at 64: 1.03-1.09x cuBLAS, Triton 0.72-0.83x)
-MAX_M_WGMMA = 256  # on sm_90, the wgmma tiles (H200 at 128 / 256 rows: 1.7-1.8x / 1.1x dequantize + cuBLAS)
+MAX_M_WGMMA = 256  # on sm_90, the wgmma tiles (H200, 128 / 256 rows: 1.8-2.1x / 1.15x the paths before)
 
 
 @functools.lru_cache(maxsize=None)
@@ -116,12 +117,13 @@ def default_tiles(m: int, sm90: bool = False) -> GluonTiles:
     pair in flight, x through shared memory, stream-K; at 32 the same with two pairs in flight (dceef97);
     at 64, 64 x 4 warps, two in flight, x through shared memory (a3b7df4). On sm_90 (``sm90``) these
     launch with programmatic dependent launch, and from 33 rows the warpgroup-MMA tiles take over:
-    64 x 64 x 4 warps up to 64 rows, 128 x 128 x 8 warps (one or two batch tiles) up to 256 (the
-    2026-12-03 sweep of 822c4e9)."""
+    64 x 64 x 4 warps up to 64 rows, 128 x 128 x 8 warps (one or two batch tiles) with each pair's
+    second wgmma left running into the next pair up to 256 (the 2026-12-03 sweeps of 822c4e9 and
+    2e5674d)."""
     if sm90 and m > 32:
         if m <= 64:
             return GluonTiles(64, 64, 4, prefetch=2, wgmma=True, x_stages=3)
-        return GluonTiles(128, 128, 8, prefetch=2, wgmma=True, x_stages=3)
+        return GluonTiles(128, 128, 8, prefetch=2, wgmma=True, x_stages=3, mma_overlap=True)
     if m <= 8:
         return GluonTiles(64, 8, 4, prefetch=3, split=0, pdl=sm90)
     if m <= 16:
@@ -563,39 +565,39 @@ if gluon is not None:
             if not PDL:
                 w0, s0, w1, s1, w2, s2, w3, s3 = _first_pairs(w_rows, s_rows, p_begin, p_last, stride_wp, stride_sp, D)
             for _ in range(blocks):
-                acc, a_prev = _pair_step(acc, a_prev, w0, s0, pair, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K, EVEN_K,
-                                 X_SMEM, WGMMA, X_STAGES, OVERLAP, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L,
-                                 ACT_L)
+                acc, a_prev = _pair_step(acc, a_prev, w0, s0, pair, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K,
+                                         EVEN_K, X_SMEM, WGMMA, X_STAGES, OVERLAP, FP16, A, B, CHUNK_L, BLOCK_N,
+                                         BLOCK_M, XS_L, ACT_L)
                 w0, s0 = _load_w(w_rows, s_rows, pair + D, p_last, stride_wp, stride_sp)
-                acc, a_prev = _pair_step(acc, a_prev, w1, s1, pair + 1, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K, EVEN_K,
-                                 X_SMEM, WGMMA, X_STAGES, OVERLAP, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L,
-                                 ACT_L)
+                acc, a_prev = _pair_step(acc, a_prev, w1, s1, pair + 1, p_begin, p_end, x_cols, x_feat, x_from,
+                                         x_smem, K, EVEN_K, X_SMEM, WGMMA, X_STAGES, OVERLAP, FP16, A, B, CHUNK_L,
+                                         BLOCK_N, BLOCK_M, XS_L, ACT_L)
                 w1, s1 = _load_w(w_rows, s_rows, pair + 1 + D, p_last, stride_wp, stride_sp)
                 if D >= 3:
-                    acc, a_prev = _pair_step(acc, a_prev, w2, s2, pair + 2, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K,
-                                     EVEN_K, X_SMEM, WGMMA, X_STAGES, OVERLAP, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L,
-                                 ACT_L)
+                    acc, a_prev = _pair_step(acc, a_prev, w2, s2, pair + 2, p_begin, p_end, x_cols, x_feat, x_from,
+                                             x_smem, K, EVEN_K, X_SMEM, WGMMA, X_STAGES, OVERLAP, FP16, A, B, CHUNK_L,
+                                             BLOCK_N, BLOCK_M, XS_L, ACT_L)
                     w2, s2 = _load_w(w_rows, s_rows, pair + 2 + D, p_last, stride_wp, stride_sp)
                 if D >= 4:
-                    acc, a_prev = _pair_step(acc, a_prev, w3, s3, pair + 3, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K,
-                                     EVEN_K, X_SMEM, WGMMA, X_STAGES, OVERLAP, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L,
-                                 ACT_L)
+                    acc, a_prev = _pair_step(acc, a_prev, w3, s3, pair + 3, p_begin, p_end, x_cols, x_feat, x_from,
+                                             x_smem, K, EVEN_K, X_SMEM, WGMMA, X_STAGES, OVERLAP, FP16, A, B, CHUNK_L,
+                                             BLOCK_N, BLOCK_M, XS_L, ACT_L)
                     w3, s3 = _load_w(w_rows, s_rows, pair + 3 + D, p_last, stride_wp, stride_sp)
                 pair += D
             if pair < p_end:  # the last (p_end - p_begin) % D pairs, already loaded
-                acc, a_prev = _pair_step(acc, a_prev, w0, s0, pair, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K, EVEN_K,
-                                 X_SMEM, WGMMA, X_STAGES, OVERLAP, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L,
-                                 ACT_L)
+                acc, a_prev = _pair_step(acc, a_prev, w0, s0, pair, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K,
+                                         EVEN_K, X_SMEM, WGMMA, X_STAGES, OVERLAP, FP16, A, B, CHUNK_L, BLOCK_N,
+                                         BLOCK_M, XS_L, ACT_L)
             if D >= 3:
                 if pair + 1 < p_end:
-                    acc, a_prev = _pair_step(acc, a_prev, w1, s1, pair + 1, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K,
-                                     EVEN_K, X_SMEM, WGMMA, X_STAGES, OVERLAP, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L,
-                                 ACT_L)
+                    acc, a_prev = _pair_step(acc, a_prev, w1, s1, pair + 1, p_begin, p_end, x_cols, x_feat, x_from,
+                                             x_smem, K, EVEN_K, X_SMEM, WGMMA, X_STAGES, OVERLAP, FP16, A, B, CHUNK_L,
+                                             BLOCK_N, BLOCK_M, XS_L, ACT_L)
             if D >= 4:
                 if pair + 2 < p_end:
-                    acc, a_prev = _pair_step(acc, a_prev, w2, s2, pair + 2, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K,
-                                     EVEN_K, X_SMEM, WGMMA, X_STAGES, OVERLAP, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L,
-                                 ACT_L)
+                    acc, a_prev = _pair_step(acc, a_prev, w2, s2, pair + 2, p_begin, p_end, x_cols, x_feat, x_from,
+                                             x_smem, K, EVEN_K, X_SMEM, WGMMA, X_STAGES, OVERLAP, FP16, A, B, CHUNK_L,
+                                             BLOCK_N, BLOCK_M, XS_L, ACT_L)
             if OVERLAP:
                 acc, a_prev = warpgroup_mma_wait(0, deps=[acc, a_prev])  # the tile's last wgmma
             if X_SMEM or WGMMA:
@@ -607,8 +609,8 @@ if gluon is not None:
 
 def w4a16_mma_matmul(x2: torch.Tensor, weight: tw.W4A16Weight, y: torch.Tensor,
                      tiles: GluonTiles | None = None) -> torch.Tensor:
-    """y [M, N] = x2 [M, K] (bf16 / fp16, rows contiguous) @ W^T, W from ``pack_w4a16`` (M <= 64 for
-    the default tiles; any M works, one batch tile after another)."""
+    """y [M, N] = x2 [M, K] (bf16 / fp16, rows contiguous) @ W^T, W from ``pack_w4a16`` (the default
+    tiles are chosen for up to ``max_rows`` rows; any M works, one batch tile after another)."""
     m, k = x2.shape
     n = weight.out_features
     t = tiles or default_tiles(m, wgmma_available(x2.device))
