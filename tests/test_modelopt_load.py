@@ -159,8 +159,8 @@ def test_default_model_export_equals_its_dequantized_twin_on_the_golden_set(defa
 def test_nvfp4_layers_run_the_w4a16_gemm_on_the_triton_backend(export, tmp_path, kvlog, monkeypatch, arch, algo):
     """Triton backend: every Linear whose checkpoint shards are all NVFP4 keeps its packed tensors
     (per-row global scales) and runs the W4A16 GEMM, the MoE's routed experts the grouped W4A16
-    GEMM; FP8, unquantized and mixed fused modules (the
-    Qwen3.5 GDN input GEMM: FP8 qkv / z beside bf16 b / a) stay dense. float32: the GEMM sums in
+    GEMM; FP8 (dequantized off CUDA) and unquantized modules stay dense (the Qwen3.5 GDN input
+    projections as vLLM packs them: qkv | z FP8, b | a unquantized). float32: the GEMM sums in
     another order than torch's, so the run is checked as every float32 run is, against transformers'
     float64 run of the dequantized twin (greedy tokens exactly, logprobs within 5x its own float32
     spread, tests/hf_reference.py). The large-batch path is lowered to steps of 16 rows (full prefill
@@ -334,3 +334,26 @@ def test_fp8_gemm_on_cuda_matches_the_cpu_run(export, monkeypatch):
             if a != b:  # vLLM's check_logprobs_close: each in the other's top logprobs, then stop
                 assert a in cpu_lps[step] and b in cuda_lps[step], (step, cuda_tokens, cpu_tokens)
                 break
+
+
+@pytest.mark.parametrize("dtype,tokens,gluon_rows,want_buffer", [
+    (torch.bfloat16, 256, 256, False),  # sm_90: steps of up to 256 rows run the Gluon kernel
+    (torch.bfloat16, 257, 256, True),
+    (torch.float32, 256, 256, True),  # fp32 never takes the Gluon kernel
+    (torch.bfloat16, 256, 64, True),  # before sm_90 the Gluon kernel stops at 64 rows
+    (torch.bfloat16, 255, 0, False),  # below DENSE_FROM_M the fused kernel needs no buffer
+])
+def test_large_batch_buffer_only_where_a_step_dequantizes(monkeypatch, dtype, tokens, gluon_rows, want_buffer):
+    """The W4A16 large-batch buffer is made at start-up (so the memory plan counts it) iff a step of
+    ``max_batch_tokens`` rows can take the dequantize path: more rows than the Gluon kernel takes on
+    the device (``max_rows``, bf16 / fp16 only) and at least ``DENSE_FROM_M``."""
+    from kvserve.kernels import gluon_w4a16, triton_w4a16
+    from kvserve.layers.quant_linear import NVFP4Linear
+    from kvserve.layers.quantized_model import finalize_quantized_model
+
+    monkeypatch.setattr(gluon_w4a16, "max_rows", lambda device: gluon_rows)
+    monkeypatch.setattr(triton_w4a16, "_scratch", {})
+    model = torch.nn.Sequential(NVFP4Linear(64, 48, False))
+    model[0].init_dummy(torch.Generator().manual_seed(0))
+    finalize_quantized_model(model, tokens, dtype)
+    assert bool(triton_w4a16._scratch) == want_buffer

@@ -45,6 +45,7 @@ def finalize_quantized_model(model: nn.Module, max_batch_tokens: int, dtype: tor
     NVFP4Experts repacked for its kernel (``finalize``; a malformed one names its module), and the
     W4A16 large-batch buffer made now when a step of ``max_batch_tokens`` can use it, so the memory
     planner counts it. Logs the quantized weights' bytes once."""
+    from kvserve.kernels.gluon_w4a16 import max_rows
     from kvserve.kernels.triton_w4a16 import reserve_dense_buffer, use_dense_path
 
     for name, m in model.named_modules():
@@ -61,7 +62,10 @@ def finalize_quantized_model(model: nn.Module, max_batch_tokens: int, dtype: tor
     fp8 = [m for m in model.modules() if isinstance(m, FP8Linear)]
     if not nvfp4 and not fp8 and not experts:
         return
-    dense = [m for m in nvfp4 if use_dense_path(max_batch_tokens, m.out_features, m.in_features)]
+    # (bf16 / fp16 batches of up to max_rows rows run the Gluon kernel, which needs no buffer)
+    gluon_rows = max_rows(device) if dtype in (torch.bfloat16, torch.float16) else 0
+    dense = [m for m in nvfp4 if max_batch_tokens > gluon_rows
+             and use_dense_path(max_batch_tokens, m.out_features, m.in_features)]
     buffer = 0
     if dense:
         big = max(dense, key=lambda m: m.out_features * m.in_features)
