@@ -102,7 +102,7 @@ def sweep_tiles(m: int) -> list:
     T = g.GluonTiles
     on_sm90 = g.wgmma_available(torch.device(DEV))
     first = []  # the default tiles without and (sm_90) with programmatic dependent launch
-    if m <= g.max_rows(torch.device(DEV)):
+    if m <= g.max_rows(torch.device(DEV), torch.bfloat16):  # (the dtype of the GPU runs)
         d = g.default_tiles(m, on_sm90)
         first = [dataclasses.replace(d, pdl=False)] + ([dataclasses.replace(d, pdl=True)] if on_sm90 else [])
     wgmma = []  # the warpgroup-MMA path (sm_90), x also gathered into MMA order by the kernel up to 64 rows
@@ -177,7 +177,7 @@ def bench(shapes: dict, batches: list[int], sweep: int, budget_s: float, doc: di
                 return _time_ms([lambda c=c: call(c, y, tiles, path) for c in wqs]), err
 
             ms, err = run()
-            gluon = m <= g.max_rows(x.device)
+            gluon = m <= g.max_rows(x.device, x.dtype)
             row = {"shape": name, "n": n, "k": k, "m": m, "dense_ms": dense_ms, "w4a16_ms": ms,
                    "speedup": dense_ms / ms, "rel_err": err,
                    "tiles": vars(g.default_tiles(m, g.wgmma_available(x.device)) if gluon else default_tiles(m, n, k)),

@@ -214,7 +214,8 @@ def test_w4a16_linear_dispatch_and_cuda_graph(monkeypatch):
     (packed, block_scale, s2), gen = _quantized(n, k, 5)
     wt = pack_w4a16(packed.cuda(), block_scale.cuda(), s2.cuda())
     w64 = _exact(packed, block_scale, s2)
-    top, sm90 = g.max_rows(torch.device("cuda")), g.wgmma_available(torch.device("cuda"))
+    top, sm90 = g.max_rows(torch.device("cuda"), torch.bfloat16), g.wgmma_available(torch.device("cuda"))
+    assert g.max_rows(torch.device("cuda"), torch.float32) == 0
     assert top == (256 if sm90 else 64)
     launched = []
     mma_matmul = g.w4a16_mma_matmul

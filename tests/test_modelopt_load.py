@@ -351,7 +351,8 @@ def test_large_batch_buffer_only_where_a_step_dequantizes(monkeypatch, dtype, to
     from kvserve.layers.quant_linear import NVFP4Linear
     from kvserve.layers.quantized_model import finalize_quantized_model
 
-    monkeypatch.setattr(gluon_w4a16, "max_rows", lambda device: gluon_rows)
+    monkeypatch.setattr(gluon_w4a16, "available", lambda device: gluon_rows > 0)  # (as on a GPU with Gluon)
+    monkeypatch.setattr(gluon_w4a16, "wgmma_available", lambda device: gluon_rows == 256)  # (as on sm_90)
     monkeypatch.setattr(triton_w4a16, "_scratch", {})
     model = torch.nn.Sequential(NVFP4Linear(64, 48, False))
     model[0].init_dummy(torch.Generator().manual_seed(0))

@@ -133,9 +133,11 @@ def default_tiles(m: int, sm90: bool = False) -> GluonTiles:
     return GluonTiles(64, 64, 4, prefetch=2, x_smem=True)
 
 
-def max_rows(device: torch.device) -> int:
-    """The most batch rows ``w4a16_linear`` gives this kernel on ``device`` (0: it does not run there):
-    ``MAX_M_WGMMA`` on sm_90, else ``MAX_M``."""
+def max_rows(device: torch.device, dtype: torch.dtype) -> int:
+    """The most batch rows of ``dtype`` that ``w4a16_linear`` gives this kernel on ``device`` (0: it
+    does not run there): ``MAX_M_WGMMA`` on sm_90, else ``MAX_M``; bf16 and fp16 only."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return 0
     return MAX_M_WGMMA if wgmma_available(device) else MAX_M if available(device) else 0
 
 
@@ -670,7 +672,7 @@ def w4a16_linear(x: torch.Tensor, weight: tw.W4A16Weight, out: torch.Tensor | No
     k, n = weight.in_features, weight.out_features
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
-    if not (0 < m <= max_rows(x.device) and x.dtype in (torch.bfloat16, torch.float16) and x.shape[-1] == k):
+    if not (0 < m <= max_rows(x.device, x.dtype) and x.shape[-1] == k):
         return tw.w4a16_matmul(x, weight, out=out)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()

@@ -62,9 +62,8 @@ def finalize_quantized_model(model: nn.Module, max_batch_tokens: int, dtype: tor
     fp8 = [m for m in model.modules() if isinstance(m, FP8Linear)]
     if not nvfp4 and not fp8 and not experts:
         return
-    # (bf16 / fp16 batches of up to max_rows rows run the Gluon kernel, which needs no buffer)
-    gluon_rows = max_rows(device) if dtype in (torch.bfloat16, torch.float16) else 0
-    dense = [m for m in nvfp4 if max_batch_tokens > gluon_rows
+    # (steps of up to max_rows rows run the Gluon kernel, which needs no buffer)
+    dense = [m for m in nvfp4 if max_batch_tokens > max_rows(device, dtype)
              and use_dense_path(max_batch_tokens, m.out_features, m.in_features)]
     buffer = 0
     if dense:
