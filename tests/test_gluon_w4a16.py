@@ -115,6 +115,34 @@ def test_gluon_w4a16_wgmma(tiles, dtype):
 
 
 @gpu
+@pytest.mark.parametrize("tiles", [dict(block_n=64, block_m=8, prefetch=3, split=0, pdl=True, l2_ahead=8),
+                                   dict(block_n=128, block_m=32, prefetch=2, x_smem=True, pdl=True, l2_ahead=6),
+                                   dict(block_n=64, block_m=16, prefetch=1, l2_ahead=1),
+                                   dict(block_n=128, block_m=128, num_warps=8, prefetch=2, wgmma=True, mma_overlap=True,
+                                        l2_ahead=4)],
+                         ids=["bm8-split-pdl", "bm32-x-smem-pdl", "bm16-stream-k", "wgmma-bm128-overlap"])
+@pytest.mark.parametrize("n", [3 * 128 + 6, 3 * 128 + 5], ids=["n-even", "n-odd"])
+def test_gluon_w4a16_l2_prefetch_changes_no_bit(tiles, n):
+    """``GluonTiles.l2_ahead`` (sm_90: each pair's block of codes and scales bulk-prefetched into L2
+    that many pairs early) is a hint: with it the kernel gives the bits it gives without, within the
+    float64 bound; the last tile's block is short (N not a multiple of the tile), the prefetches run
+    past the range's end (clamped to its last pair); N odd turns it off (a pair's block of scales is
+    then not 16-byte aligned)."""
+    import dataclasses
+
+    from kvserve.kernels import gluon_w4a16 as g
+
+    if not g.wgmma_available(torch.device("cuda")):
+        pytest.skip("cp.async.bulk.prefetch needs sm_90")
+    t = g.GluonTiles(**tiles)
+    bm = t.block_m
+    x, wt, y = _tiles_ok(2 * bm - 3, n, 1152, n + bm, torch.bfloat16, t)
+    assert g._pair_blocks_contiguous(wt, n) == (n % 2 == 0)
+    without = g.w4a16_mma_matmul(x, wt, torch.full_like(y, float("nan")), dataclasses.replace(t, l2_ahead=0))
+    assert torch.equal(without, y)
+
+
+@gpu
 @pytest.mark.parametrize("shape", [(128, 17408, 5120), (256, 5120, 17408), (96, 34816, 5120)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_gluon_w4a16_wgmma_27b_shapes(shape):
@@ -253,8 +281,8 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from kvserve.kernels import gluon_w4a16 as g
 
-variant = (json.loads(sys.argv[1]) + [False])[:12]  # (overlap: False unless given)
-bn, bm, nw, fp16, even_k, prefetch, x_smem, wgmma, x_stages, x_gather, pdl, overlap = variant
+variant = (json.loads(sys.argv[1]) + [False, 0][len(json.loads(sys.argv[1])) - 11:])[:13]  # (overlap, l2_ahead: off)
+bn, bm, nw, fp16, even_k, prefetch, x_smem, wgmma, x_stages, x_gather, pdl, overlap, l2_ahead = variant
 if g.gluon is None:
     print(json.dumps(None))
     sys.exit()
@@ -269,7 +297,7 @@ if wgmma:
     xcp = g._x_chunk_copy_layout(nw, x_gather)
 consts = dict(BLOCK_N=bn, BLOCK_M=bm, NUM_WARPS=nw, FP16=fp16, EVEN_K=even_k, PREFETCH=prefetch, X_SMEM=x_smem,
               PAIR_L=pair, SCALE_L=scales, CHUNK_L=chunk, ACT_L=acts, XCP_L=xcp, XS_L=xs, WGMMA=wgmma,
-              X_STAGES=x_stages, X_GATHER=x_gather, PDL=pdl, OVERLAP=overlap)
+              X_STAGES=x_stages, X_GATHER=x_gather, PDL=pdl, OVERLAP=overlap, L2_AHEAD=l2_ahead)
 aligned = ("x_ptr", "w_ptr", "s_ptr", "g_ptr", "y_ptr", "part_ptr", "lock_ptr", "stride_xm", "stride_wn", "stride_wp",
            "stride_ym")  # as the launcher specializes them (16-byte aligned tensors, strides multiples of 16)
 attrs = {(list(sig).index(a),): [["tt.divisibility", 16]] for a in aligned}
@@ -283,6 +311,7 @@ print(json.dumps({"mma": ptx.count("mma.sync.aligned.m16n8k16"), "ld_shared": pt
                   "cp_async_4": sum(1 for line in ptx.splitlines()
                                     if "cp.async.ca.shared.global" in line and line.rstrip().endswith("0x4, 0x4;")),
                   "st_shared": ptx.count("st.shared"), "shared": k.metadata.shared,
+                  "l2_prefetch": ptx.count("cp.async.bulk.prefetch.L2.global"),
                   "local": ptx.count("ld.local") + ptx.count("st.local")}))
 """
 
@@ -298,11 +327,13 @@ print(json.dumps({"mma": ptx.count("mma.sync.aligned.m16n8k16"), "ld_shared": pt
                                      (64, 64, 4, False, True, 2, False, True, 3, False, False),
                                      (128, 128, 8, False, True, 2, False, True, 3, False, False),
                                      (128, 128, 8, False, True, 2, False, True, 3, False, False, True),
-                                     (64, 64, 4, True, True, 1, False, True, 4, True, True, True)],
+                                     (64, 64, 4, True, True, 1, False, True, 4, True, True, True),
+                                     (64, 8, 4, False, True, 3, False, False, 2, False, True, False, 8)],
                          ids=["bf16-bm8-prefetch2", "fp16-bm32-oddK-prefetch2", "bf16-bm16-prefetch3",
                               "bf16-bm32-x-smem-pdl", "bf16-default-bm8-pdl", "bf16-wgmma-bm128", "fp16-wgmma-bm64-8warps",
                               "bf16-wgmma-bm32-gather-pdl", "bf16-default-wgmma-bm64", "bf16-wgmma-bm128-8warps",
-                              "bf16-default-wgmma-bm128-overlap", "fp16-wgmma-bm64-gather-pdl-overlap"])
+                              "bf16-default-wgmma-bm128-overlap", "fp16-wgmma-bm64-gather-pdl-overlap",
+                              "bf16-bm8-pdl-l2-ahead-8"])
 def test_gluon_w4a16_compiles_for_sm90(variant):
     """The kernel compiles to sm_90 with this machine's triton: mma.sync (the unrolled loop's and its
     tail's), no spills, and shared memory only to hand the tile counter's value (one atomic) to the
@@ -345,3 +376,5 @@ def test_gluon_w4a16_compiles_for_sm90(variant):
         assert got["ld_shared"] == 1 and got["st_shared"] == 1 and got["shared"] <= 16
     assert got["local"] == 0
     assert got["gdc"] == ([1, 1] if variant[10] else [0, 0])
+    l2_ahead = (*variant, False, 0)[12]  # the first l2_ahead pairs' prefetches, then one a pair loaded (two each)
+    assert got["l2_prefetch"] == (2 * (l2_ahead + prefetch + 1) if l2_ahead else 0)

@@ -107,6 +107,7 @@ class GluonTiles:
     mma_overlap: bool = False
     x_gather: bool = False  # with wgmma and K % 128 == 0: x put in MMA order by the kernel's 4-byte copies
     pdl: bool = False  # programmatic dependent launch (sm_90): weights loaded before waiting for the last kernel
+    l2_ahead: int = 0  # sm_90: each pair's block of codes and scales bulk-prefetched into L2 this many pairs early
 
 
 def default_tiles(m: int, sm90: bool = False) -> GluonTiles:
@@ -316,6 +317,20 @@ if gluon is not None:
         return gl.load(w_rows + at * stride_wp), gl.load(s_rows + at * stride_sp)
 
     @gluon.jit
+    def _prefetch_l2(w_blk, s_blk, pair, p_last, stride_wp, stride_sp, w_bytes, s_bytes):
+        """One thread of the program bulk-prefetches a pair's block of codes (w_bytes from w_blk) and of
+        scales (s_bytes from s_blk; 0: none) into L2 (``cp.async.bulk.prefetch.L2``, sm_90): a pair's
+        codes and scales of a program's rows are each contiguous (pair-major layout)."""
+        at = gl.minimum(pair, p_last)
+        gl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+            "@p cp.async.bulk.prefetch.L2.global [$1], $2; setp.ne.and.u32 p, $4, 0, p; "
+            "@p cp.async.bulk.prefetch.L2.global [$3], $4; } // $0",
+            "=r,l,r,l,r", [(w_blk + at * stride_wp).to(gl.int64), w_bytes, (s_blk + at * stride_sp).to(gl.int64), s_bytes],
+            dtype=gl.int32,
+            is_pure=False, pack=1)
+
+    @gluon.jit
     def _first_pairs(w_rows, s_rows, p_begin, p_last, stride_wp, stride_sp, D: gl.constexpr):
         """The first D (2-4) pairs' codes and scales of a range (the unused last buffers repeat the second)."""
         w0, s0 = _load_w(w_rows, s_rows, p_begin, p_last, stride_wp, stride_sp)
@@ -478,7 +493,7 @@ if gluon is not None:
         EVEN_K: gl.constexpr, PREFETCH: gl.constexpr, X_SMEM: gl.constexpr, PAIR_L: gl.constexpr, SCALE_L: gl.constexpr,
         CHUNK_L: gl.constexpr,
         ACT_L: gl.constexpr, XCP_L: gl.constexpr, XS_L: gl.constexpr, WGMMA: gl.constexpr, X_STAGES: gl.constexpr,
-        X_GATHER: gl.constexpr, PDL: gl.constexpr, OVERLAP: gl.constexpr,
+        X_GATHER: gl.constexpr, PDL: gl.constexpr, OVERLAP: gl.constexpr, L2_AHEAD: gl.constexpr,
     ):
         """Program p takes units [p U / P, (p + 1) U / P) of U = tiles x pairs (tile-major). With WGMMA,
         x is the permuted copy (``mma_order``, K a multiple of 128) and X_STAGES of its pairs are staged;
@@ -549,8 +564,16 @@ if gluon is not None:
             # for the load, which would end the prefetch at the loop's back edge).
             D: gl.constexpr = PREFETCH + 1
             p_last = p_end - 1
+            if L2_AHEAD > 0:  # the tile's contiguous block of codes and of scales a pair (bytes: multiples of 16)
+                w_blk = w_ptr + n0.to(gl.int64) * stride_wn
+                s_blk = s_ptr + n0.to(gl.int64) * stride_sn
+                w_bytes = gl.minimum(N - n0, BLOCK_N) * (stride_wn * 4)
+                s_bytes = gl.minimum(N - n0, BLOCK_N) * (stride_sn * 2) // 16 * 16
             if PDL:  # the weights do not depend on the previous kernel: in flight before the wait
                 w0, s0, w1, s1, w2, s2, w3, s3 = _first_pairs(w_rows, s_rows, p_begin, p_last, stride_wp, stride_sp, D)
+                if L2_AHEAD > 0:
+                    for i in gl.static_range(L2_AHEAD):
+                        _prefetch_l2(w_blk, s_blk, p_begin + D + i, p_last, stride_wp, stride_sp, w_bytes, s_bytes)
                 _grid_dependency(True)
             x_from = 0
             if WGMMA:
@@ -566,25 +589,36 @@ if gluon is not None:
             pair = p_begin
             if not PDL:
                 w0, s0, w1, s1, w2, s2, w3, s3 = _first_pairs(w_rows, s_rows, p_begin, p_last, stride_wp, stride_sp, D)
+                if L2_AHEAD > 0:
+                    for i in gl.static_range(L2_AHEAD):
+                        _prefetch_l2(w_blk, s_blk, p_begin + D + i, p_last, stride_wp, stride_sp, w_bytes, s_bytes)
             for _ in range(blocks):
                 acc, a_prev = _pair_step(acc, a_prev, w0, s0, pair, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K,
                                          EVEN_K, X_SMEM, WGMMA, X_STAGES, OVERLAP, FP16, A, B, CHUNK_L, BLOCK_N,
                                          BLOCK_M, XS_L, ACT_L)
                 w0, s0 = _load_w(w_rows, s_rows, pair + D, p_last, stride_wp, stride_sp)
+                if L2_AHEAD > 0:
+                    _prefetch_l2(w_blk, s_blk, pair + D + L2_AHEAD, p_last, stride_wp, stride_sp, w_bytes, s_bytes)
                 acc, a_prev = _pair_step(acc, a_prev, w1, s1, pair + 1, p_begin, p_end, x_cols, x_feat, x_from,
                                          x_smem, K, EVEN_K, X_SMEM, WGMMA, X_STAGES, OVERLAP, FP16, A, B, CHUNK_L,
                                          BLOCK_N, BLOCK_M, XS_L, ACT_L)
                 w1, s1 = _load_w(w_rows, s_rows, pair + 1 + D, p_last, stride_wp, stride_sp)
+                if L2_AHEAD > 0:
+                    _prefetch_l2(w_blk, s_blk, pair + 1 + D + L2_AHEAD, p_last, stride_wp, stride_sp, w_bytes, s_bytes)
                 if D >= 3:
                     acc, a_prev = _pair_step(acc, a_prev, w2, s2, pair + 2, p_begin, p_end, x_cols, x_feat, x_from,
                                              x_smem, K, EVEN_K, X_SMEM, WGMMA, X_STAGES, OVERLAP, FP16, A, B, CHUNK_L,
                                              BLOCK_N, BLOCK_M, XS_L, ACT_L)
                     w2, s2 = _load_w(w_rows, s_rows, pair + 2 + D, p_last, stride_wp, stride_sp)
+                    if L2_AHEAD > 0:
+                        _prefetch_l2(w_blk, s_blk, pair + 2 + D + L2_AHEAD, p_last, stride_wp, stride_sp, w_bytes, s_bytes)
                 if D >= 4:
                     acc, a_prev = _pair_step(acc, a_prev, w3, s3, pair + 3, p_begin, p_end, x_cols, x_feat, x_from,
                                              x_smem, K, EVEN_K, X_SMEM, WGMMA, X_STAGES, OVERLAP, FP16, A, B, CHUNK_L,
                                              BLOCK_N, BLOCK_M, XS_L, ACT_L)
                     w3, s3 = _load_w(w_rows, s_rows, pair + 3 + D, p_last, stride_wp, stride_sp)
+                    if L2_AHEAD > 0:
+                        _prefetch_l2(w_blk, s_blk, pair + 3 + D + L2_AHEAD, p_last, stride_wp, stride_sp, w_bytes, s_bytes)
                 pair += D
             if pair < p_end:  # the last (p_end - p_begin) % D pairs, already loaded
                 acc, a_prev = _pair_step(acc, a_prev, w0, s0, pair, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K,
@@ -609,6 +643,13 @@ if gluon is not None:
             u += p_end - p_begin
 
 
+def _pair_blocks_contiguous(weight: tw.W4A16Weight, n: int) -> bool:
+    """Whether a pair's codes and scales of consecutive rows are contiguous and 16-byte aligned blocks
+    (``GluonTiles.l2_ahead``): the pair-major layout of ``pack_w4a16`` with N even."""
+    return (weight.codes.stride(0) == 32 and weight.scales.stride(0) == 8 and n % 2 == 0
+            and weight.codes.data_ptr() % 16 == 0 and weight.scales.data_ptr() % 16 == 0)
+
+
 def w4a16_mma_matmul(x2: torch.Tensor, weight: tw.W4A16Weight, y: torch.Tensor,
                      tiles: GluonTiles | None = None) -> torch.Tensor:
     """y [M, N] = x2 [M, K] (bf16 / fp16, rows contiguous) @ W^T, W from ``pack_w4a16`` (the default
@@ -620,11 +661,11 @@ def w4a16_mma_matmul(x2: torch.Tensor, weight: tw.W4A16Weight, y: torch.Tensor,
             or t.num_warps not in (1, 2, 4, 8) or t.prefetch not in (1, 2, 3) or (t.x_smem and 2 * t.num_warps > t.block_m)
             or (t.split is not None and t.split < 0)
             or (t.wgmma and (t.num_warps % 4 or t.block_m < 4 * t.num_warps or t.x_stages not in (2, 3, 4)))
-            or (t.mma_overlap and not (t.wgmma and t.x_stages >= 3))):
+            or (t.mma_overlap and not (t.wgmma and t.x_stages >= 3)) or t.l2_ahead < 0):
         raise ValueError(f"w4a16_mma_matmul: {t} needs block_m in 8, 16, 32, 64, block_n a multiple of "
                          f"16 x num_warps, num_warps in 1, 2, 4, 8 and prefetch 1, 2 or 3 (x_smem: block_m >= 2 x "
                          f"num_warps; split None or >= 0; wgmma: block_m up to 256 and >= 4 x num_warps, num_warps "
-                         f"4 or 8, x_stages 2, 3 or 4; mma_overlap: wgmma with x_stages 3 or 4)")
+                         f"4 or 8, x_stages 2, 3 or 4; mma_overlap: wgmma with x_stages 3 or 4; l2_ahead >= 0)")
     n_pairs = weight.codes.shape[1]
     gather = t.wgmma and t.x_gather and k % 128 == 0
     if t.wgmma and not gather:
@@ -640,6 +681,7 @@ def w4a16_mma_matmul(x2: torch.Tensor, weight: tw.W4A16Weight, y: torch.Tensor,
                 EVEN_K=k % 128 == 0 or t.wgmma, PREFETCH=t.prefetch, X_SMEM=t.x_smem and k % 128 == 0 and not t.wgmma,
                 XCP_L=xcp_l, XS_L=xs_l, PAIR_L=pair_l, SCALE_L=scale_l, CHUNK_L=chunk_l, ACT_L=act_l,
                 WGMMA=t.wgmma, X_STAGES=t.x_stages, X_GATHER=gather, PDL=t.pdl, OVERLAP=t.mma_overlap,
+                L2_AHEAD=t.l2_ahead if wgmma_available(x2.device) and _pair_blocks_contiguous(weight, n) else 0,
                 launch_pdl=t.pdl,
                 num_warps=t.num_warps)
     codes, scales = weight.codes.view(torch.int32), weight.scales.view(torch.int16)  # [N, pair, 16 / 4]
