@@ -75,7 +75,8 @@ def test_quant_smoke_times_the_w4a16_gemm_and_checks_it_against_the_dequantized_
 def test_quant_sweep_grid_on_an_sm90_device(monkeypatch):
     """``quant_bench.sweep_tiles`` as an H200 builds it (Gluon and wgmma reported available): every
     batch up to 256 gets a grid that starts with the default tiles without, then with, programmatic
-    dependent launch, then with their weights prefetched into L2 4, 8 and 16 pairs early, holds no tile twice, and every Gluon tile in it passes the launcher's checks."""
+    dependent launch, then with their weights prefetched into L2 4, 8 and 16 pairs early, holds no
+    tile twice, and every Gluon tile in it passes the launcher's checks."""
     import importlib
 
     from kvserve.kernels import gluon_w4a16 as g

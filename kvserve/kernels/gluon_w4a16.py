@@ -326,7 +326,8 @@ if gluon is not None:
             "{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
             "@p cp.async.bulk.prefetch.L2.global [$1], $2; setp.ne.and.u32 p, $4, 0, p; "
             "@p cp.async.bulk.prefetch.L2.global [$3], $4; } // $0",
-            "=r,l,r,l,r", [(w_blk + at * stride_wp).to(gl.int64), w_bytes, (s_blk + at * stride_sp).to(gl.int64), s_bytes],
+            "=r,l,r,l,r",
+            [(w_blk + at * stride_wp).to(gl.int64), w_bytes, (s_blk + at * stride_sp).to(gl.int64), s_bytes],
             dtype=gl.int32,
             is_pure=False, pack=1)
 
@@ -611,14 +612,16 @@ if gluon is not None:
                                              BLOCK_N, BLOCK_M, XS_L, ACT_L)
                     w2, s2 = _load_w(w_rows, s_rows, pair + 2 + D, p_last, stride_wp, stride_sp)
                     if L2_AHEAD > 0:
-                        _prefetch_l2(w_blk, s_blk, pair + 2 + D + L2_AHEAD, p_last, stride_wp, stride_sp, w_bytes, s_bytes)
+                        _prefetch_l2(w_blk, s_blk, pair + 2 + D + L2_AHEAD, p_last, stride_wp, stride_sp, w_bytes,
+                                     s_bytes)
                 if D >= 4:
                     acc, a_prev = _pair_step(acc, a_prev, w3, s3, pair + 3, p_begin, p_end, x_cols, x_feat, x_from,
                                              x_smem, K, EVEN_K, X_SMEM, WGMMA, X_STAGES, OVERLAP, FP16, A, B, CHUNK_L,
                                              BLOCK_N, BLOCK_M, XS_L, ACT_L)
                     w3, s3 = _load_w(w_rows, s_rows, pair + 3 + D, p_last, stride_wp, stride_sp)
                     if L2_AHEAD > 0:
-                        _prefetch_l2(w_blk, s_blk, pair + 3 + D + L2_AHEAD, p_last, stride_wp, stride_sp, w_bytes, s_bytes)
+                        _prefetch_l2(w_blk, s_blk, pair + 3 + D + L2_AHEAD, p_last, stride_wp, stride_sp, w_bytes,
+                                     s_bytes)
                 pair += D
             if pair < p_end:  # the last (p_end - p_begin) % D pairs, already loaded
                 acc, a_prev = _pair_step(acc, a_prev, w0, s0, pair, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K,
