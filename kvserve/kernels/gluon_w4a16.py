@@ -41,6 +41,11 @@ pairs of it in flight; a pair's second chunk is decoded while the first chunk's 
 kernel lets the next one in the stream launch at once, and a tile's first weights (which no earlier
 kernel writes) are loaded before ``griddepcontrol.wait``; x, y, the parts and the counters only after.
 
+**L2 prefetch** (``GluonTiles.l2_ahead``, sm_90): a pair's codes and scales of a program's rows
+are two contiguous blocks (pair-major layout), so one thread of the program bulk-prefetches them
+into L2 (``cp.async.bulk.prefetch.L2``) ``l2_ahead`` pairs before their register loads: more bytes
+in flight than the register buffers hold, no registers spent on them.
+
 CUDA only (``mma.sync`` needs sm_80; the inline PTX is the Triton kernel's). No interpreter: the
 Triton kernel is this kernel's CPU counterpart, and tests/test_gluon_w4a16.py holds this one to the
 float64 bound on a GPU (and compiles it for sm_90 on the CPU).
