@@ -94,10 +94,8 @@ def sweep_tiles(m: int) -> list:
     a tile; ``maxnreg`` 128 lets 4 programs of 4 warps share an SM; first the tiles with a chunk as
     one K = 64 dot, ``one_dot``). ``pdl`` tiles overlap each call with the one before (programmatic
     dependent launch): between back-to-back calls of this kernel that is the most they can overlap;
-    after the engine's other kernels (not launched with it) less. On sm_90 the default with its
-    codes through a ring of 4 or 8 pairs in shared memory fed by TMA (``w_stages``; up to 32 rows also
-    256-row tiles), with its weights prefetched into L2 4 pairs early (``l2_ahead``), and the
-    ``mma_overlap`` tiles come right after the defaults."""
+    after the engine's other kernels (not launched with it) less. ``mma_overlap`` tiles come right
+    after the defaults."""
     from kvserve.kernels import gluon_w4a16 as g
     from kvserve.kernels.triton_w4a16 import W4A16Tiles
 
@@ -107,13 +105,6 @@ def sweep_tiles(m: int) -> list:
     if m <= g.max_rows(torch.device(DEV), torch.bfloat16):  # (the dtype of the GPU runs)
         d = g.default_tiles(m, on_sm90)
         first = [dataclasses.replace(d, pdl=False)] + ([dataclasses.replace(d, pdl=True)] if on_sm90 else [])
-        if on_sm90:  # the codes through a shared-memory ring fed by TMA (w_stages), then an L2 prefetch
-            first += [dataclasses.replace(d, w_stages=st, prefetch=pf) for st, pf in ((4, d.prefetch), (8, d.prefetch),
-                                                                                     (8, 1), (8, 3))]
-            if m <= 32:  # taller tiles: x read once for 256 weight rows
-                first.append(dataclasses.replace(d, block_n=256, num_warps=8, w_stages=4, x_smem=m > 8))
-            first.append(dataclasses.replace(d, l2_ahead=4))
-            first = list(dict.fromkeys(first))  # (a variant equal to an earlier one: once)
     wgmma = []  # the warpgroup-MMA path (sm_90), x also gathered into MMA order by the kernel up to 64 rows
     if m > 8 and on_sm90:
         bm = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128

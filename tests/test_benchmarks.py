@@ -75,8 +75,7 @@ def test_quant_smoke_times_the_w4a16_gemm_and_checks_it_against_the_dequantized_
 def test_quant_sweep_grid_on_an_sm90_device(monkeypatch):
     """``quant_bench.sweep_tiles`` as an H200 builds it (Gluon and wgmma reported available): every
     batch up to 256 gets a grid that starts with the default tiles without, then with, programmatic
-    dependent launch, then with their codes through a TMA-fed shared-memory ring and prefetched into
-    L2, holds no tile twice, and every Gluon tile in it passes the launcher's checks."""
+    dependent launch, holds no tile twice, and every Gluon tile in it passes the launcher's checks."""
     import importlib
 
     from kvserve.kernels import gluon_w4a16 as g
@@ -89,9 +88,6 @@ def test_quant_sweep_grid_on_an_sm90_device(monkeypatch):
         grid = quant_bench.sweep_tiles(m)
         d = g.default_tiles(m, sm90=True)
         assert grid[0] == dataclasses.replace(d, pdl=False) and grid[1] == dataclasses.replace(d, pdl=True), m
-        staged = [t for t in grid[2:9] if t.w_stages]
-        assert [t.w_stages for t in staged[:3]] == [4, 8, 8] and all(t.pdl == d.pdl for t in staged), m
-        assert any(t.l2_ahead == 4 for t in grid[2:9]), m
         assert len(grid) == len(set(map(repr, grid))), m
         assert d.wgmma == (m > 32) and d.pdl == (m <= 32) and d.mma_overlap == (m > 64) and d.block_m >= min(m, 128)
         assert all(t.wgmma or t.block_m in (8, 16, 32, 64) for t in grid if isinstance(t, g.GluonTiles))

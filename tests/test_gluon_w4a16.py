@@ -115,47 +115,6 @@ def test_gluon_w4a16_wgmma(tiles, dtype):
 
 
 @gpu
-@pytest.mark.parametrize("tiles", [dict(block_n=64, block_m=8, prefetch=3, split=0, pdl=True, l2_ahead=8),
-                                   dict(block_n=128, block_m=32, prefetch=2, x_smem=True, pdl=True, l2_ahead=6),
-                                   dict(block_n=64, block_m=16, prefetch=1, l2_ahead=1),
-                                   dict(block_n=128, block_m=128, num_warps=8, prefetch=2, wgmma=True, mma_overlap=True,
-                                        l2_ahead=4),
-                                   dict(block_n=64, block_m=8, prefetch=3, split=0, pdl=True, w_stages=8),
-                                   dict(block_n=16, block_m=8, num_warps=1, programs_per_sm=1, prefetch=2, w_stages=3),
-                                   dict(block_n=128, block_m=16, prefetch=1, x_smem=True, pdl=True, w_stages=4),
-                                   dict(block_n=128, block_m=32, prefetch=2, x_smem=True, programs_per_sm=1,
-                                        w_stages=6),
-                                   dict(block_n=64, block_m=64, prefetch=2, wgmma=True, programs_per_sm=1, w_stages=2),
-                                   dict(block_n=128, block_m=128, num_warps=8, prefetch=2, wgmma=True, mma_overlap=True,
-                                        w_stages=4)],
-                         ids=["l2-bm8-split-pdl", "l2-bm32-x-smem-pdl", "l2-bm16-stream-k", "l2-wgmma-bm128-overlap",
-                              "tma-bm8-split-pdl", "tma-bn16-stream-k-1-warp", "tma-bm16-x-smem-pdl",
-                              "tma-bm32-x-smem-stream-k", "tma-wgmma-bm64-stream-k", "tma-wgmma-bm128-overlap"])
-@pytest.mark.parametrize("n", [3 * 128 + 6, 3 * 128 + 5], ids=["n-even", "n-odd"])
-def test_gluon_w4a16_weight_staging_changes_no_bit(tiles, n):
-    """How the weights reach the registers changes no bit (sm_90): prefetched into L2 ``l2_ahead``
-    pairs early (a hint), or the codes through a ring of ``w_stages`` pairs in shared memory filled by
-    TMA copies. With either the kernel gives the bits it gives without, within the float64 bound, the
-    tile counters back at zero; the last tile's block is short (N not a multiple of the tile: TMA reads
-    zeros past the end, or the next pair's rows, never stored), the loads run past the range's end
-    (clamped to its last pair), stream-K programs cross tiles (the ring's phases carried on); N odd
-    turns the L2 prefetch off (a pair's block of scales is then not 16-byte aligned), not the ring."""
-    import dataclasses
-
-    from kvserve.kernels import gluon_w4a16 as g
-
-    if not g.wgmma_available(torch.device("cuda")):
-        pytest.skip("cp.async.bulk and TMA need sm_90")
-    t = g.GluonTiles(**tiles)
-    bm = t.block_m
-    x, wt, y = _tiles_ok(2 * bm - 3, n, 1152, n + bm, torch.bfloat16, t)
-    assert g._pair_blocks_contiguous(wt, n) == (n % 2 == 0) and g._pair_blocks_contiguous(wt, n, scales=False)
-    without = g.w4a16_mma_matmul(x, wt, torch.full_like(y, float("nan")),
-                                 dataclasses.replace(t, l2_ahead=0, w_stages=0))
-    assert torch.equal(without, y)
-
-
-@gpu
 @pytest.mark.parametrize("shape", [(128, 17408, 5120), (256, 5120, 17408), (96, 34816, 5120)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_gluon_w4a16_wgmma_27b_shapes(shape):
@@ -294,9 +253,8 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from kvserve.kernels import gluon_w4a16 as g
 
-given = json.loads(sys.argv[1])
-variant = (given + [False, 0, 0][len(given) - 11:])[:14]  # (overlap, l2_ahead, w_stages: off unless given)
-bn, bm, nw, fp16, even_k, prefetch, x_smem, wgmma, x_stages, x_gather, pdl, overlap, l2_ahead, w_stages = variant
+variant = (json.loads(sys.argv[1]) + [False])[:12]  # (overlap: False unless given)
+bn, bm, nw, fp16, even_k, prefetch, x_smem, wgmma, x_stages, x_gather, pdl, overlap = variant
 if g.gluon is None:
     print(json.dumps(None))
     sys.exit()
@@ -311,14 +269,8 @@ if wgmma:
     xcp = g._x_chunk_copy_layout(nw, x_gather)
 consts = dict(BLOCK_N=bn, BLOCK_M=bm, NUM_WARPS=nw, FP16=fp16, EVEN_K=even_k, PREFETCH=prefetch, X_SMEM=x_smem,
               PAIR_L=pair, SCALE_L=scales, CHUNK_L=chunk, ACT_L=acts, XCP_L=xcp, XS_L=xs, WGMMA=wgmma,
-              X_STAGES=x_stages, X_GATHER=x_gather, PDL=pdl, OVERLAP=overlap, L2_AHEAD=l2_ahead, W_STAGES=w_stages)
-if w_stages:  # w_ptr: the codes' TMA descriptor (its type from one made on a CPU tensor)
-    import torch
-    from triton.runtime.jit import mangle_type
-    sig["w_ptr"] = mangle_type(g.TensorDescriptor.from_tensor(
-        torch.zeros(8 * bn, 4, 4, dtype=torch.int32), [bn, 4, 4],
-        g.gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3)))
-aligned = ("x_ptr", "s_ptr", "g_ptr", "y_ptr", "part_ptr", "lock_ptr", "stride_xm", "stride_wn", "stride_wp",
+              X_STAGES=x_stages, X_GATHER=x_gather, PDL=pdl, OVERLAP=overlap)
+aligned = ("x_ptr", "w_ptr", "s_ptr", "g_ptr", "y_ptr", "part_ptr", "lock_ptr", "stride_xm", "stride_wn", "stride_wp",
            "stride_ym")  # as the launcher specializes them (16-byte aligned tensors, strides multiples of 16)
 attrs = {(list(sig).index(a),): [["tt.divisibility", 16]] for a in aligned}
 src = GluonASTSource(fn=g._w4a16_mma_kernel, signature=sig, constexprs=consts, attrs=attrs)
@@ -331,8 +283,6 @@ print(json.dumps({"mma": ptx.count("mma.sync.aligned.m16n8k16"), "ld_shared": pt
                   "cp_async_4": sum(1 for line in ptx.splitlines()
                                     if "cp.async.ca.shared.global" in line and line.rstrip().endswith("0x4, 0x4;")),
                   "st_shared": ptx.count("st.shared"), "shared": k.metadata.shared,
-                  "l2_prefetch": ptx.count("cp.async.bulk.prefetch.L2.global"),
-                  "tma": ptx.count("cp.async.bulk.tensor.3d"), "mbarrier_wait": ptx.count("mbarrier.try_wait"),
                   "local": ptx.count("ld.local") + ptx.count("st.local")}))
 """
 
@@ -348,17 +298,11 @@ print(json.dumps({"mma": ptx.count("mma.sync.aligned.m16n8k16"), "ld_shared": pt
                                      (64, 64, 4, False, True, 2, False, True, 3, False, False),
                                      (128, 128, 8, False, True, 2, False, True, 3, False, False),
                                      (128, 128, 8, False, True, 2, False, True, 3, False, False, True),
-                                     (64, 64, 4, True, True, 1, False, True, 4, True, True, True),
-                                     (64, 8, 4, False, True, 3, False, False, 2, False, True, False, 8),
-                                     (64, 8, 4, False, True, 3, False, False, 2, False, True, False, 0, 8),
-                                     (128, 32, 4, False, True, 2, True, False, 2, False, True, False, 0, 6),
-                                     (128, 128, 8, False, True, 2, False, True, 3, False, False, True, 0, 4)],
+                                     (64, 64, 4, True, True, 1, False, True, 4, True, True, True)],
                          ids=["bf16-bm8-prefetch2", "fp16-bm32-oddK-prefetch2", "bf16-bm16-prefetch3",
                               "bf16-bm32-x-smem-pdl", "bf16-default-bm8-pdl", "bf16-wgmma-bm128", "fp16-wgmma-bm64-8warps",
                               "bf16-wgmma-bm32-gather-pdl", "bf16-default-wgmma-bm64", "bf16-wgmma-bm128-8warps",
-                              "bf16-default-wgmma-bm128-overlap", "fp16-wgmma-bm64-gather-pdl-overlap",
-                              "bf16-bm8-pdl-l2-ahead-8", "bf16-bm8-pdl-w-stages-8", "bf16-bm32-x-smem-pdl-w-stages-6",
-                              "bf16-wgmma-bm128-overlap-w-stages-4"])
+                              "bf16-default-wgmma-bm128-overlap", "fp16-wgmma-bm64-gather-pdl-overlap"])
 def test_gluon_w4a16_compiles_for_sm90(variant):
     """The kernel compiles to sm_90 with this machine's triton: mma.sync (the unrolled loop's and its
     tail's), no spills, and shared memory only to hand the tile counter's value (one atomic) to the
@@ -386,17 +330,6 @@ def test_gluon_w4a16_compiles_for_sm90(variant):
         pytest.skip("this triton has no Gluon")
     bn, bm, nw = variant[:3]
     prefetch = variant[5]  # the loop body multiplies prefetch + 1 pairs, the tail up to prefetch more
-    l2_ahead, w_stages = (*variant, False, 0, 0)[12:14]
-    if w_stages:  # the codes' ring: a TMA copy and a wait for each pair the loop and tail multiply, the first
-        # w_stages - 1 copies before the loop, as many waits after it; a pair's codes a 16-byte read a row
-        assert got["tma"] == got["mbarrier_wait"] == w_stages + 2 * prefetch
-        ring = w_stages * bn * 64 + w_stages * 8  # (the stages, then a barrier each, aligned: up to 128 more)
-        assert ring <= got["shared"]
-        got["shared"] -= ring
-        got["ld_shared"] -= 2 * (bn // (16 * nw)) * (2 * prefetch + 1)  # (a thread's two rows of each 16)
-    else:
-        assert got["tma"] == got["mbarrier_wait"] == 0
-    pad = 128 if w_stages else 0
     if variant[7]:  # wgmma: the x stages (x_stages pairs of [BM, 64] x 2 chunks) and the counter's word
         x_stages = variant[8]
         assert got["mma"] == 0 and got["wgmma"] == 4 * (bn // (16 * nw)) * 2 * (2 * prefetch + 1)
@@ -405,13 +338,10 @@ def test_gluon_w4a16_compiles_for_sm90(variant):
             assert got["cp_async"] == 0 and got["cp_async_4"] > 0
         else:  # the permuted copy: 16-byte pieces only
             assert got["cp_async"] > 0 and got["cp_async_4"] == 0
-        assert 2 * x_stages * bm * 64 * 2 <= got["shared"] <= 2 * x_stages * bm * 64 * 2 + 16 + pad
+        assert 2 * x_stages * bm * 64 * 2 <= got["shared"] <= 2 * x_stages * bm * 64 * 2 + 16
     elif variant[6]:  # x_smem: two stages of x [BM, 128] copied in by cp.async, read back, no weights staged
-        assert got["cp_async"] >= 1 and got["ld_shared"] > 1
-        assert 2 * bm * 256 <= got["shared"] <= 2 * bm * 256 + 16 + pad
+        assert got["cp_async"] >= 1 and got["ld_shared"] > 1 and 2 * bm * 128 * 2 <= got["shared"] <= 2 * bm * 256 + 16
     else:
-        assert got["ld_shared"] == 1 and got["st_shared"] == 1 and got["shared"] <= 16 + pad
+        assert got["ld_shared"] == 1 and got["st_shared"] == 1 and got["shared"] <= 16
     assert got["local"] == 0
     assert got["gdc"] == ([1, 1] if variant[10] else [0, 0])
-    # the first l2_ahead pairs' prefetches, then one a pair loaded (two each)
-    assert got["l2_prefetch"] == (2 * (l2_ahead + prefetch + 1) if l2_ahead else 0)

@@ -41,11 +41,6 @@ pairs of it in flight; a pair's second chunk is decoded while the first chunk's 
 kernel lets the next one in the stream launch at once, and a tile's first weights (which no earlier
 kernel writes) are loaded before ``griddepcontrol.wait``; x, y, the parts and the counters only after.
 
-**L2 prefetch** (``GluonTiles.l2_ahead``, sm_90): a pair's codes and scales of a program's rows
-are two contiguous blocks (pair-major layout), so one thread of the program bulk-prefetches them
-into L2 (``cp.async.bulk.prefetch.L2``) ``l2_ahead`` pairs before their register loads: more bytes
-in flight than the register buffers hold, no registers spent on them.
-
 CUDA only (``mma.sync`` needs sm_80; the inline PTX is the Triton kernel's). No interpreter: the
 Triton kernel is this kernel's CPU counterpart, and tests/test_gluon_w4a16.py holds this one to the
 float64 bound on a GPU (and compiles it for sm_90 on the CPU).
@@ -67,14 +62,11 @@ try:  # (triton >= 3.4)
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # (3.9 / 3.6)
     _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # (triton 3.6: thread_barrier; 3.9: barrier)
     _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared  # (3.9 / 3.6)
 except (ImportError, AttributeError):  # pragma: no cover (a triton without Gluon, or another Gluon API)
     gluon = gl = async_copy = mma_v2 = _cta_barrier = _cp_async = None
-    fence_async_shared = warpgroup_mma = warpgroup_mma_wait = mbarrier = tma = TensorDescriptor = _tma_load = None
+    fence_async_shared = warpgroup_mma = warpgroup_mma_wait = None
 
 MAX_M = 64  # batch rows w4a16_linear gives it before sm_90 (H200 at 64: 1.03-1.09x cuBLAS, Triton 0.72-0.83x)
 MAX_M_WGMMA = 256  # on sm_90, the wgmma tiles (H200, 128 / 256 rows: 1.8-2.1x / 1.15x the paths before)
@@ -115,10 +107,6 @@ class GluonTiles:
     mma_overlap: bool = False
     x_gather: bool = False  # with wgmma and K % 128 == 0: x put in MMA order by the kernel's 4-byte copies
     pdl: bool = False  # programmatic dependent launch (sm_90): weights loaded before waiting for the last kernel
-    l2_ahead: int = 0  # sm_90: each pair's block of codes and scales bulk-prefetched into L2 this many pairs early
-    # sm_90: the codes through a ring of this many pairs in shared memory, filled by TMA copies (a
-    # program's block of a pair is contiguous); 0: loaded to registers (the scales always are)
-    w_stages: int = 0
 
 
 def default_tiles(m: int, sm90: bool = False) -> GluonTiles:
@@ -322,69 +310,23 @@ if gluon is not None:
         return _chunk_mma(acc, w1, s1, xb, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M)
 
     @gluon.jit
-    def _load_w(w_rows, s_rows, pair, p_last, stride_wp, stride_sp, W_TMA: gl.constexpr):
-        """A pair's codes and scales (pair clamped to p_last: past the range, a harmless reload); with
-        W_TMA the scales only (the codes come through shared memory: ``_codes``; the scales stand in)."""
+    def _load_w(w_rows, s_rows, pair, p_last, stride_wp, stride_sp):
+        """A pair's codes and scales (pair clamped to p_last: past the range, a harmless reload)."""
         at = gl.minimum(pair, p_last)
-        s = gl.load(s_rows + at * stride_sp)
-        if W_TMA:
-            w = s
-        else:
-            w = gl.load(w_rows + at * stride_wp)
-        return w, s
+        return gl.load(w_rows + at * stride_wp), gl.load(s_rows + at * stride_sp)
 
     @gluon.jit
-    def _prefetch_l2(w_blk, s_blk, pair, p_last, stride_wp, stride_sp, w_bytes, s_bytes):
-        """One thread of the program bulk-prefetches a pair's block of codes (w_bytes from w_blk) and of
-        scales (s_bytes from s_blk; 0: none) into L2 (``cp.async.bulk.prefetch.L2``, sm_90): a pair's
-        codes and scales of a program's rows are each contiguous (pair-major layout)."""
-        at = gl.minimum(pair, p_last)
-        gl.inline_asm_elementwise(
-            "{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-            "@p cp.async.bulk.prefetch.L2.global [$1], $2; setp.ne.and.u32 p, $4, 0, p; "
-            "@p cp.async.bulk.prefetch.L2.global [$3], $4; } // $0",
-            "=r,l,r,l,r",
-            [(w_blk + at * stride_wp).to(gl.int64), w_bytes, (s_blk + at * stride_sp).to(gl.int64), s_bytes],
-            dtype=gl.int32,
-            is_pure=False, pack=1)
-
-    @gluon.jit
-    def _first_pairs(w_rows, s_rows, p_begin, p_last, stride_wp, stride_sp, D: gl.constexpr, W_TMA: gl.constexpr):
+    def _first_pairs(w_rows, s_rows, p_begin, p_last, stride_wp, stride_sp, D: gl.constexpr):
         """The first D (2-4) pairs' codes and scales of a range (the unused last buffers repeat the second)."""
-        w0, s0 = _load_w(w_rows, s_rows, p_begin, p_last, stride_wp, stride_sp, W_TMA)
-        w1, s1 = _load_w(w_rows, s_rows, p_begin + 1, p_last, stride_wp, stride_sp, W_TMA)
+        w0, s0 = _load_w(w_rows, s_rows, p_begin, p_last, stride_wp, stride_sp)
+        w1, s1 = _load_w(w_rows, s_rows, p_begin + 1, p_last, stride_wp, stride_sp)
         w2, s2 = w1, s1
         w3, s3 = w1, s1
         if D >= 3:
-            w2, s2 = _load_w(w_rows, s_rows, p_begin + 2, p_last, stride_wp, stride_sp, W_TMA)
+            w2, s2 = _load_w(w_rows, s_rows, p_begin + 2, p_last, stride_wp, stride_sp)
         if D >= 4:
-            w3, s3 = _load_w(w_rows, s_rows, p_begin + 3, p_last, stride_wp, stride_sp, W_TMA)
+            w3, s3 = _load_w(w_rows, s_rows, p_begin + 3, p_last, stride_wp, stride_sp)
         return w0, s0, w1, s1, w2, s2, w3, s3
-
-    @gluon.jit
-    def _issue_codes(w_desc, w_smem, bars, j, row, W_STAGES: gl.constexpr):
-        """TMA-copy the codes block at flat row ``row`` (pair x N + first row) into stage j % W_STAGES,
-        its barrier expecting the block's bytes (load j of the program)."""
-        bar = bars.index(j % W_STAGES)
-        mbarrier.expect(bar, w_desc.block_type.nbytes)
-        _tma_load(w_desc, [row, 0, 0], bar, w_smem.index(j % W_STAGES))
-
-    @gluon.jit
-    def _codes(w, pair, p_begin, p_end, c0, w_desc, w_smem, bars, N, n0, W_STAGES: gl.constexpr,
-               PAIR_L: gl.constexpr):
-        """The codes of pair ``pair``: ``w`` as loaded, or with W_STAGES the program's load c0 + (pair -
-        p_begin) read from its stage of the ring once landed; then the stage the last pair read is
-        refilled with the pair W_STAGES - 1 ahead (clamped to the range's last: a harmless reload), after
-        a CTA barrier (every thread has read it)."""
-        if W_STAGES > 0:
-            j = c0 + (pair - p_begin)
-            mbarrier.wait(bars.index(j % W_STAGES), (j // W_STAGES) & 1)
-            w = w_smem.index(j % W_STAGES).load(PAIR_L)
-            _cta_barrier()
-            fence_async_shared()  # (the generic reads of the stage before the async proxy's write)
-            _issue_codes(w_desc, w_smem, bars, j + W_STAGES - 1,
-                         gl.minimum(pair + W_STAGES - 1, p_end - 1) * N + n0, W_STAGES)
-        return w
 
     @gluon.jit
     def _grid_dependency(WAIT: gl.constexpr):
@@ -536,8 +478,7 @@ if gluon is not None:
         EVEN_K: gl.constexpr, PREFETCH: gl.constexpr, X_SMEM: gl.constexpr, PAIR_L: gl.constexpr, SCALE_L: gl.constexpr,
         CHUNK_L: gl.constexpr,
         ACT_L: gl.constexpr, XCP_L: gl.constexpr, XS_L: gl.constexpr, WGMMA: gl.constexpr, X_STAGES: gl.constexpr,
-        X_GATHER: gl.constexpr, PDL: gl.constexpr, OVERLAP: gl.constexpr, L2_AHEAD: gl.constexpr,
-        W_STAGES: gl.constexpr,
+        X_GATHER: gl.constexpr, PDL: gl.constexpr, OVERLAP: gl.constexpr,
     ):
         """Program p takes units [p U / P, (p + 1) U / P) of U = tiles x pairs (tile-major). With WGMMA,
         x is the permuted copy (``mma_order``, K a multiple of 128) and X_STAGES of its pairs are staged;
@@ -585,17 +526,6 @@ if gluon is not None:
             cf = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, XCP_L)), 0)
         else:
             x_smem = 0
-        W_TMA: gl.constexpr = W_STAGES > 0
-        w_smem = 0
-        bars = 0
-        if W_TMA:  # w_ptr is the codes' TMA descriptor [P x N, 4 q, 4 words], block [BN, 4, 4]
-            w_smem = gl.allocate_shared_memory(gl.int32, [W_STAGES, BLOCK_N, 4, 4], w_ptr.layout)
-            bars = gl.allocate_shared_memory(gl.int64, [W_STAGES, 1], mbarrier.MBarrierLayout())
-            for i in gl.static_range(W_STAGES):
-                mbarrier.init(bars.index(i), count=1)
-            fence_async_shared()
-            _cta_barrier()
-        c0 = 0  # the program's TMA loads so far (each waited once, in order: stage c % W_STAGES)
         u = u_lo
         while u < u_hi:
             tile = u // n_pairs
@@ -604,9 +534,7 @@ if gluon is not None:
             n0 = (tile // tiles_m) * BLOCK_N  # (batch tiles of one weight tile next to each other: they
             m0 = (tile % tiles_m) * BLOCK_M  # run at about the same time, the later ones reading it from L2)
             rows = gl.minimum(n0 + cn, N - 1).to(gl.int64)  # (rows past N load row N - 1, never stored)
-            w_rows = 0
-            if not W_TMA:
-                w_rows = w_ptr + (gl.expand_dims(gl.expand_dims(rows * stride_wn, 1), 2) + c_in_row)
+            w_rows = w_ptr + (gl.expand_dims(gl.expand_dims(rows * stride_wn, 1), 2) + c_in_row)
             s_rows = s_ptr + (gl.expand_dims(gl.minimum(n0 + sn, N - 1).to(gl.int64) * stride_sn, 1) + sq)
             x_rows = gl.minimum(m0 + xm, M - 1).to(gl.int64)
             x_cols = x_ptr + (x_feat + gl.expand_dims(gl.expand_dims(x_rows * stride_xm, 0), 1))
@@ -621,21 +549,8 @@ if gluon is not None:
             # for the load, which would end the prefetch at the loop's back edge).
             D: gl.constexpr = PREFETCH + 1
             p_last = p_end - 1
-            if L2_AHEAD > 0:  # the tile's contiguous block of codes and of scales a pair (bytes: multiples of 16)
-                w_blk = w_ptr + n0.to(gl.int64) * stride_wn
-                s_blk = s_ptr + n0.to(gl.int64) * stride_sn
-                w_bytes = gl.minimum(N - n0, BLOCK_N) * (stride_wn * 4)
-                s_bytes = gl.minimum(N - n0, BLOCK_N) * (stride_sn * 2) // 16 * 16
-            if W_TMA:  # the first W_STAGES - 1 pairs' codes (after every thread is done with the last tile's)
-                _cta_barrier()
-                for i in gl.static_range(W_STAGES - 1):
-                    _issue_codes(w_ptr, w_smem, bars, c0 + i, gl.minimum(p_begin + i, p_last) * N + n0, W_STAGES)
             if PDL:  # the weights do not depend on the previous kernel: in flight before the wait
-                w0, s0, w1, s1, w2, s2, w3, s3 = _first_pairs(w_rows, s_rows, p_begin, p_last, stride_wp, stride_sp, D,
-                                                              W_TMA)
-                if L2_AHEAD > 0:
-                    for i in gl.static_range(L2_AHEAD):
-                        _prefetch_l2(w_blk, s_blk, p_begin + D + i, p_last, stride_wp, stride_sp, w_bytes, s_bytes)
+                w0, s0, w1, s1, w2, s2, w3, s3 = _first_pairs(w_rows, s_rows, p_begin, p_last, stride_wp, stride_sp, D)
                 _grid_dependency(True)
             x_from = 0
             if WGMMA:
@@ -650,69 +565,41 @@ if gluon is not None:
             blocks = (p_end - p_begin) // D
             pair = p_begin
             if not PDL:
-                w0, s0, w1, s1, w2, s2, w3, s3 = _first_pairs(w_rows, s_rows, p_begin, p_last, stride_wp, stride_sp, D,
-                                                              W_TMA)
-                if L2_AHEAD > 0:
-                    for i in gl.static_range(L2_AHEAD):
-                        _prefetch_l2(w_blk, s_blk, p_begin + D + i, p_last, stride_wp, stride_sp, w_bytes, s_bytes)
+                w0, s0, w1, s1, w2, s2, w3, s3 = _first_pairs(w_rows, s_rows, p_begin, p_last, stride_wp, stride_sp, D)
             for _ in range(blocks):
-                w_now = _codes(w0, pair, p_begin, p_end, c0, w_ptr, w_smem, bars, N, n0, W_STAGES, PAIR_L)
-                acc, a_prev = _pair_step(acc, a_prev, w_now, s0, pair, p_begin, p_end, x_cols, x_feat, x_from, x_smem,
-                                         K,
+                acc, a_prev = _pair_step(acc, a_prev, w0, s0, pair, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K,
                                          EVEN_K, X_SMEM, WGMMA, X_STAGES, OVERLAP, FP16, A, B, CHUNK_L, BLOCK_N,
                                          BLOCK_M, XS_L, ACT_L)
-                w0, s0 = _load_w(w_rows, s_rows, pair + D, p_last, stride_wp, stride_sp, W_TMA)
-                if L2_AHEAD > 0:
-                    _prefetch_l2(w_blk, s_blk, pair + D + L2_AHEAD, p_last, stride_wp, stride_sp, w_bytes, s_bytes)
-                w_now = _codes(w1, pair + 1, p_begin, p_end, c0, w_ptr, w_smem, bars, N, n0, W_STAGES, PAIR_L)
-                acc, a_prev = _pair_step(acc, a_prev, w_now, s1, pair + 1, p_begin, p_end, x_cols, x_feat, x_from,
+                w0, s0 = _load_w(w_rows, s_rows, pair + D, p_last, stride_wp, stride_sp)
+                acc, a_prev = _pair_step(acc, a_prev, w1, s1, pair + 1, p_begin, p_end, x_cols, x_feat, x_from,
                                          x_smem, K, EVEN_K, X_SMEM, WGMMA, X_STAGES, OVERLAP, FP16, A, B, CHUNK_L,
                                          BLOCK_N, BLOCK_M, XS_L, ACT_L)
-                w1, s1 = _load_w(w_rows, s_rows, pair + 1 + D, p_last, stride_wp, stride_sp, W_TMA)
-                if L2_AHEAD > 0:
-                    _prefetch_l2(w_blk, s_blk, pair + 1 + D + L2_AHEAD, p_last, stride_wp, stride_sp, w_bytes, s_bytes)
+                w1, s1 = _load_w(w_rows, s_rows, pair + 1 + D, p_last, stride_wp, stride_sp)
                 if D >= 3:
-                    w_now = _codes(w2, pair + 2, p_begin, p_end, c0, w_ptr, w_smem, bars, N, n0, W_STAGES, PAIR_L)
-                    acc, a_prev = _pair_step(acc, a_prev, w_now, s2, pair + 2, p_begin, p_end, x_cols, x_feat, x_from,
+                    acc, a_prev = _pair_step(acc, a_prev, w2, s2, pair + 2, p_begin, p_end, x_cols, x_feat, x_from,
                                              x_smem, K, EVEN_K, X_SMEM, WGMMA, X_STAGES, OVERLAP, FP16, A, B, CHUNK_L,
                                              BLOCK_N, BLOCK_M, XS_L, ACT_L)
-                    w2, s2 = _load_w(w_rows, s_rows, pair + 2 + D, p_last, stride_wp, stride_sp, W_TMA)
-                    if L2_AHEAD > 0:
-                        _prefetch_l2(w_blk, s_blk, pair + 2 + D + L2_AHEAD, p_last, stride_wp, stride_sp, w_bytes,
-                                     s_bytes)
+                    w2, s2 = _load_w(w_rows, s_rows, pair + 2 + D, p_last, stride_wp, stride_sp)
                 if D >= 4:
-                    w_now = _codes(w3, pair + 3, p_begin, p_end, c0, w_ptr, w_smem, bars, N, n0, W_STAGES, PAIR_L)
-                    acc, a_prev = _pair_step(acc, a_prev, w_now, s3, pair + 3, p_begin, p_end, x_cols, x_feat, x_from,
+                    acc, a_prev = _pair_step(acc, a_prev, w3, s3, pair + 3, p_begin, p_end, x_cols, x_feat, x_from,
                                              x_smem, K, EVEN_K, X_SMEM, WGMMA, X_STAGES, OVERLAP, FP16, A, B, CHUNK_L,
                                              BLOCK_N, BLOCK_M, XS_L, ACT_L)
-                    w3, s3 = _load_w(w_rows, s_rows, pair + 3 + D, p_last, stride_wp, stride_sp, W_TMA)
-                    if L2_AHEAD > 0:
-                        _prefetch_l2(w_blk, s_blk, pair + 3 + D + L2_AHEAD, p_last, stride_wp, stride_sp, w_bytes,
-                                     s_bytes)
+                    w3, s3 = _load_w(w_rows, s_rows, pair + 3 + D, p_last, stride_wp, stride_sp)
                 pair += D
             if pair < p_end:  # the last (p_end - p_begin) % D pairs, already loaded
-                w_now = _codes(w0, pair, p_begin, p_end, c0, w_ptr, w_smem, bars, N, n0, W_STAGES, PAIR_L)
-                acc, a_prev = _pair_step(acc, a_prev, w_now, s0, pair, p_begin, p_end, x_cols, x_feat, x_from, x_smem,
-                                         K,
+                acc, a_prev = _pair_step(acc, a_prev, w0, s0, pair, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K,
                                          EVEN_K, X_SMEM, WGMMA, X_STAGES, OVERLAP, FP16, A, B, CHUNK_L, BLOCK_N,
                                          BLOCK_M, XS_L, ACT_L)
             if D >= 3:
                 if pair + 1 < p_end:
-                    w_now = _codes(w1, pair + 1, p_begin, p_end, c0, w_ptr, w_smem, bars, N, n0, W_STAGES, PAIR_L)
-                    acc, a_prev = _pair_step(acc, a_prev, w_now, s1, pair + 1, p_begin, p_end, x_cols, x_feat, x_from,
+                    acc, a_prev = _pair_step(acc, a_prev, w1, s1, pair + 1, p_begin, p_end, x_cols, x_feat, x_from,
                                              x_smem, K, EVEN_K, X_SMEM, WGMMA, X_STAGES, OVERLAP, FP16, A, B, CHUNK_L,
                                              BLOCK_N, BLOCK_M, XS_L, ACT_L)
             if D >= 4:
                 if pair + 2 < p_end:
-                    w_now = _codes(w2, pair + 2, p_begin, p_end, c0, w_ptr, w_smem, bars, N, n0, W_STAGES, PAIR_L)
-                    acc, a_prev = _pair_step(acc, a_prev, w_now, s2, pair + 2, p_begin, p_end, x_cols, x_feat, x_from,
+                    acc, a_prev = _pair_step(acc, a_prev, w2, s2, pair + 2, p_begin, p_end, x_cols, x_feat, x_from,
                                              x_smem, K, EVEN_K, X_SMEM, WGMMA, X_STAGES, OVERLAP, FP16, A, B, CHUNK_L,
                                              BLOCK_N, BLOCK_M, XS_L, ACT_L)
-            if W_TMA:  # the W_STAGES - 1 loads issued past the range's end: waited, so every stage is free
-                for i in gl.static_range(W_STAGES - 1):
-                    j = c0 + (p_end - p_begin) + i
-                    mbarrier.wait(bars.index(j % W_STAGES), (j // W_STAGES) & 1)
-                c0 += (p_end - p_begin) + W_STAGES - 1
             if OVERLAP:
                 acc, a_prev = warpgroup_mma_wait(0, deps=[acc, a_prev])  # the tile's last wgmma
             if X_SMEM or WGMMA:
@@ -720,15 +607,6 @@ if gluon is not None:
             _finish_tile(acc, g_ptr, y_ptr, part_ptr, lock_ptr, M, N, n0, m0, p, u == u_lo, tile, p_begin, p_end,
                          n_pairs, units, programs, stride_ym, BLOCK_N, BLOCK_M, NUM_WARPS, MMA)
             u += p_end - p_begin
-
-
-def _pair_blocks_contiguous(weight: tw.W4A16Weight, n: int, scales: bool = True) -> bool:
-    """Whether a pair's codes (and ``scales``) of consecutive rows are contiguous, 16-byte aligned
-    blocks (``GluonTiles.w_stages``: the codes; ``l2_ahead``: both): the pair-major layout of
-    ``pack_w4a16`` (a pair's scales of N rows are 16-byte aligned when N is even)."""
-    codes = weight.codes.stride(0) == 32 and weight.codes.stride(1) == 32 * n and weight.codes.data_ptr() % 16 == 0
-    return codes and (not scales or (weight.scales.stride(0) == 8 and n % 2 == 0
-                                     and weight.scales.data_ptr() % 16 == 0))
 
 
 def w4a16_mma_matmul(x2: torch.Tensor, weight: tw.W4A16Weight, y: torch.Tensor,
@@ -739,21 +617,15 @@ def w4a16_mma_matmul(x2: torch.Tensor, weight: tw.W4A16Weight, y: torch.Tensor,
     n = weight.out_features
     t = tiles or default_tiles(m, wgmma_available(x2.device))
     if (t.block_m not in (8, 16, 32, 64) + ((128, 256) if t.wgmma else ()) or t.block_n % (16 * t.num_warps)
-            or t.num_warps not in (1, 2, 4, 8) or t.prefetch not in (1, 2, 3)
-            or (t.x_smem and 2 * t.num_warps > t.block_m)
+            or t.num_warps not in (1, 2, 4, 8) or t.prefetch not in (1, 2, 3) or (t.x_smem and 2 * t.num_warps > t.block_m)
             or (t.split is not None and t.split < 0)
             or (t.wgmma and (t.num_warps % 4 or t.block_m < 4 * t.num_warps or t.x_stages not in (2, 3, 4)))
-            or (t.mma_overlap and not (t.wgmma and t.x_stages >= 3)) or t.l2_ahead < 0
-            or t.w_stages not in (0, 2, 3, 4, 6, 8)
-            or t.block_n > 256):
+            or (t.mma_overlap and not (t.wgmma and t.x_stages >= 3))):
         raise ValueError(f"w4a16_mma_matmul: {t} needs block_m in 8, 16, 32, 64, block_n a multiple of "
                          f"16 x num_warps, num_warps in 1, 2, 4, 8 and prefetch 1, 2 or 3 (x_smem: block_m >= 2 x "
                          f"num_warps; split None or >= 0; wgmma: block_m up to 256 and >= 4 x num_warps, num_warps "
-                         f"4 or 8, x_stages 2, 3 or 4; mma_overlap: wgmma with x_stages 3 or 4; l2_ahead >= 0; "
-                         f"w_stages 0, 2, 3, 4, 6 or 8; block_n up to 256)")
+                         f"4 or 8, x_stages 2, 3 or 4; mma_overlap: wgmma with x_stages 3 or 4)")
     n_pairs = weight.codes.shape[1]
-    sm90 = wgmma_available(x2.device)
-    w_stages = t.w_stages if sm90 and _pair_blocks_contiguous(weight, n, scales=False) else 0
     gather = t.wgmma and t.x_gather and k % 128 == 0
     if t.wgmma and not gather:
         x2 = mma_order(x2, n_pairs)
@@ -768,18 +640,12 @@ def w4a16_mma_matmul(x2: torch.Tensor, weight: tw.W4A16Weight, y: torch.Tensor,
                 EVEN_K=k % 128 == 0 or t.wgmma, PREFETCH=t.prefetch, X_SMEM=t.x_smem and k % 128 == 0 and not t.wgmma,
                 XCP_L=xcp_l, XS_L=xs_l, PAIR_L=pair_l, SCALE_L=scale_l, CHUNK_L=chunk_l, ACT_L=act_l,
                 WGMMA=t.wgmma, X_STAGES=t.x_stages, X_GATHER=gather, PDL=t.pdl, OVERLAP=t.mma_overlap,
-                L2_AHEAD=t.l2_ahead if not w_stages and sm90 and _pair_blocks_contiguous(weight, n) else 0,
-                W_STAGES=w_stages,
                 launch_pdl=t.pdl,
                 num_warps=t.num_warps)
     codes, scales = weight.codes.view(torch.int32), weight.scales.view(torch.int16)  # [N, pair, 16 / 4]
-    w_arg = codes
-    if w_stages:  # the codes as TMA sees them: [P x N, 4 q, 4 words] (pair-major storage), a block per program
-        w_arg = TensorDescriptor.from_tensor(codes.transpose(0, 1).reshape(n_pairs * n, 4, 4), [t.block_n, 4, 4],
-                                             gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3))
 
     def args(programs: int, part: torch.Tensor, lock: torch.Tensor) -> list:
-        return [x2, w_arg, scales, weight.row_scale, y, part, lock, m, n, k, n_pairs, tiles_m, units, programs,
+        return [x2, codes, scales, weight.row_scale, y, part, lock, m, n, k, n_pairs, tiles_m, units, programs,
                 x2.stride(0), codes.stride(0), codes.stride(1), scales.stride(0), scales.stride(1), y.stride(0)]
 
     if n_tiles > tw._LOCKS or t.split == 1:
@@ -789,7 +655,7 @@ def w4a16_mma_matmul(x2: torch.Tensor, weight: tw.W4A16Weight, y: torch.Tensor,
     else:
         per_sm = t.programs_per_sm or tw._ctas_per_sm(
             _w4a16_mma_kernel, lambda: args(1, tw._no_parts(x2.device), tw._tile_locks(x2.device)),
-            meta, x2.dtype, x2.device, variant=(t, meta["EVEN_K"], meta["L2_AHEAD"], w_stages))
+            meta, x2.dtype, x2.device, variant=(t, meta["EVEN_K"]))
         wave = num_sms(x2.device) * per_sm
         programs = min(units, wave) if t.split is None else n_tiles * max(1, min(n_pairs, wave // n_tiles))
     streamed = programs != n_tiles
