@@ -105,6 +105,9 @@ def sweep_tiles(m: int) -> list:
     if m <= g.max_rows(torch.device(DEV), torch.bfloat16):  # (the dtype of the GPU runs)
         d = g.default_tiles(m, on_sm90)
         first = [dataclasses.replace(d, pdl=False)] + ([dataclasses.replace(d, pdl=True)] if on_sm90 else [])
+        if not d.wgmma:  # fewer registers than ptxas picks (none spill at these caps): more programs an SM
+            caps = (80, 72) if m <= 8 else (128, 144) if m <= 16 else (168, 192)
+            first += [dataclasses.replace(d, maxnreg=r) for r in caps]
     wgmma = []  # the warpgroup-MMA path (sm_90), x also gathered into MMA order by the kernel up to 64 rows
     if m > 8 and on_sm90:
         bm = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128

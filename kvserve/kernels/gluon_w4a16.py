@@ -107,6 +107,7 @@ class GluonTiles:
     mma_overlap: bool = False
     x_gather: bool = False  # with wgmma and K % 128 == 0: x put in MMA order by the kernel's 4-byte copies
     pdl: bool = False  # programmatic dependent launch (sm_90): weights loaded before waiting for the last kernel
+    maxnreg: int | None = None  # registers a thread at most (ptxas): fewer than it picks, more programs an SM
 
 
 def default_tiles(m: int, sm90: bool = False) -> GluonTiles:
@@ -641,6 +642,7 @@ def w4a16_mma_matmul(x2: torch.Tensor, weight: tw.W4A16Weight, y: torch.Tensor,
                 XCP_L=xcp_l, XS_L=xs_l, PAIR_L=pair_l, SCALE_L=scale_l, CHUNK_L=chunk_l, ACT_L=act_l,
                 WGMMA=t.wgmma, X_STAGES=t.x_stages, X_GATHER=gather, PDL=t.pdl, OVERLAP=t.mma_overlap,
                 launch_pdl=t.pdl,
+                **({"maxnreg": t.maxnreg} if t.maxnreg else {}),
                 num_warps=t.num_warps)
     codes, scales = weight.codes.view(torch.int32), weight.scales.view(torch.int16)  # [N, pair, 16 / 4]
 
