@@ -115,6 +115,21 @@ def test_gluon_w4a16_wgmma(tiles, dtype):
 
 
 @gpu
+@pytest.mark.parametrize("m,cap", [(1, 80), (8, 72), (16, 128), (32, 168)])
+def test_gluon_w4a16_register_cap_changes_no_bit(m, cap):
+    """``GluonTiles.maxnreg`` (ptxas keeps the kernel within that many registers, so more programs fit an
+    SM) changes no bit: the default tiles of the batch capped give the uncapped tiles' bits, within the
+    float64 bound (72 registers spill 8 bytes at batch 8: still exact)."""
+    import dataclasses
+
+    from kvserve.kernels import gluon_w4a16 as g
+
+    t = g.default_tiles(m, g.wgmma_available(torch.device("cuda")))
+    x, wt, y = _tiles_ok(m, 3 * t.block_n + 6, 1152, m + cap, torch.bfloat16, dataclasses.replace(t, maxnreg=cap))
+    assert torch.equal(g.w4a16_mma_matmul(x, wt, torch.full_like(y, float("nan")), t), y)
+
+
+@gpu
 @pytest.mark.parametrize("shape", [(128, 17408, 5120), (256, 5120, 17408), (96, 34816, 5120)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_gluon_w4a16_wgmma_27b_shapes(shape):
@@ -253,8 +268,8 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from kvserve.kernels import gluon_w4a16 as g
 
-variant = (json.loads(sys.argv[1]) + [False])[:12]  # (overlap: False unless given)
-bn, bm, nw, fp16, even_k, prefetch, x_smem, wgmma, x_stages, x_gather, pdl, overlap = variant
+variant = (json.loads(sys.argv[1]) + [False, None][len(json.loads(sys.argv[1])) - 11:])[:13]  # (overlap, maxnreg)
+bn, bm, nw, fp16, even_k, prefetch, x_smem, wgmma, x_stages, x_gather, pdl, overlap, maxnreg = variant
 if g.gluon is None:
     print(json.dumps(None))
     sys.exit()
@@ -274,7 +289,8 @@ aligned = ("x_ptr", "w_ptr", "s_ptr", "g_ptr", "y_ptr", "part_ptr", "lock_ptr", 
            "stride_ym")  # as the launcher specializes them (16-byte aligned tensors, strides multiples of 16)
 attrs = {(list(sig).index(a),): [["tt.divisibility", 16]] for a in aligned}
 src = GluonASTSource(fn=g._w4a16_mma_kernel, signature=sig, constexprs=consts, attrs=attrs)
-k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": nw})
+k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                   options={"num_warps": nw, **({"maxnreg": maxnreg} if maxnreg else {})})
 ptx = k.asm["ptx"]
 print(json.dumps({"mma": ptx.count("mma.sync.aligned.m16n8k16"), "ld_shared": ptx.count("ld.shared"),
                   "wgmma": ptx.count("wgmma.mma_async.sync.aligned.m64n%dk16.f32" % bm),
@@ -283,6 +299,7 @@ print(json.dumps({"mma": ptx.count("mma.sync.aligned.m16n8k16"), "ld_shared": pt
                   "cp_async_4": sum(1 for line in ptx.splitlines()
                                     if "cp.async.ca.shared.global" in line and line.rstrip().endswith("0x4, 0x4;")),
                   "st_shared": ptx.count("st.shared"), "shared": k.metadata.shared,
+                  "maxnreg": [int(line.split()[-1]) for line in ptx.splitlines() if line.startswith(".maxnreg")],
                   "local": ptx.count("ld.local") + ptx.count("st.local")}))
 """
 
@@ -298,11 +315,14 @@ print(json.dumps({"mma": ptx.count("mma.sync.aligned.m16n8k16"), "ld_shared": pt
                                      (64, 64, 4, False, True, 2, False, True, 3, False, False),
                                      (128, 128, 8, False, True, 2, False, True, 3, False, False),
                                      (128, 128, 8, False, True, 2, False, True, 3, False, False, True),
-                                     (64, 64, 4, True, True, 1, False, True, 4, True, True, True)],
+                                     (64, 64, 4, True, True, 1, False, True, 4, True, True, True),
+                                     (64, 8, 4, False, True, 3, False, False, 2, False, True, False, 80),
+                                     (128, 32, 4, False, True, 2, True, False, 2, False, True, False, 168)],
                          ids=["bf16-bm8-prefetch2", "fp16-bm32-oddK-prefetch2", "bf16-bm16-prefetch3",
                               "bf16-bm32-x-smem-pdl", "bf16-default-bm8-pdl", "bf16-wgmma-bm128", "fp16-wgmma-bm64-8warps",
                               "bf16-wgmma-bm32-gather-pdl", "bf16-default-wgmma-bm64", "bf16-wgmma-bm128-8warps",
-                              "bf16-default-wgmma-bm128-overlap", "fp16-wgmma-bm64-gather-pdl-overlap"])
+                              "bf16-default-wgmma-bm128-overlap", "fp16-wgmma-bm64-gather-pdl-overlap",
+                              "bf16-default-bm8-pdl-maxnreg-80", "bf16-default-bm32-pdl-maxnreg-168"])
 def test_gluon_w4a16_compiles_for_sm90(variant):
     """The kernel compiles to sm_90 with this machine's triton: mma.sync (the unrolled loop's and its
     tail's), no spills, and shared memory only to hand the tile counter's value (one atomic) to the
@@ -345,3 +365,5 @@ def test_gluon_w4a16_compiles_for_sm90(variant):
         assert got["ld_shared"] == 1 and got["st_shared"] == 1 and got["shared"] <= 16
     assert got["local"] == 0
     assert got["gdc"] == ([1, 1] if variant[10] else [0, 0])
+    maxnreg = (*variant, False, None)[12]  # a register cap: the PTX asks ptxas for it (.maxnreg), else nothing
+    assert got["maxnreg"] == ([maxnreg] if maxnreg else [])
