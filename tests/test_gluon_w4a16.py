@@ -129,6 +129,19 @@ def test_gluon_w4a16_register_cap_changes_no_bit(m, cap):
     assert torch.equal(g.w4a16_mma_matmul(x, wt, torch.full_like(y, float("nan")), t), y)
 
 
+@pytest.mark.parametrize("cap", [16, 256])
+def test_gluon_w4a16_rejects_a_register_cap_ptxas_cannot_take(cap):
+    """A register cap outside 32-255 is refused before any launch, naming the accepted range."""
+    from kvserve.kernels import gluon_w4a16 as g
+    from kvserve.kernels.triton_w4a16 import pack_w4a16
+
+    (packed, block_scale, s2), gen = _quantized(64, 256, cap)
+    x = torch.randn(2, 256, generator=gen).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="maxnreg None or 32-255"):
+        g.w4a16_mma_matmul(x, pack_w4a16(packed, block_scale, s2), torch.empty(2, 64, dtype=torch.bfloat16),
+                           g.GluonTiles(maxnreg=cap))
+
+
 @gpu
 @pytest.mark.parametrize("shape", [(128, 17408, 5120), (256, 5120, 17408), (96, 34816, 5120)],
                          ids=lambda s: "x".join(map(str, s)))
@@ -334,7 +347,8 @@ def test_gluon_w4a16_compiles_for_sm90(variant):
     ``x_gather`` x's copies are 4-byte pieces (two features of one MMA column pair). With ``pdl`` the kernel lets the next one
     launch and waits for the previous one (one griddepcontrol each, before the tile loop's x and stores:
     the wait sits in the loop, once a tile); without it, neither. (In a fresh process, outside the
-    interpreter mode and its patches that this test session runs under.)"""
+    interpreter mode and its patches that this test session runs under.) With a register cap (``maxnreg``,
+    the last field) the PTX asks ptxas for it (``.maxnreg``)."""
     import json
     import os
     import subprocess
