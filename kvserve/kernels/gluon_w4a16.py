@@ -674,21 +674,29 @@ if gluon is not None:
             n0 = (tile // tiles_m) * BLOCK_N
             m0 = (tile % tiles_m) * BLOCK_M
             acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
+            a0 = gl.zeros([BLOCK_N, 64], x_smem.dtype, A)  # the last pair's A operands (kept until its wgmmas end)
+            a1 = a0
             for pair in range(p_begin, p_end):
                 st = c % STAGES
                 mbarrier.wait(ready.index(st), (c // STAGES) & 1)
                 w = w_smem.index(st).load(PAIR_L)
                 s = gl.convert_layout(gl.reshape(s_smem.index(st).load(S2_L), [BLOCK_N, 4]), SCALE_L)
                 w0, s0, w1, s1 = _split_pair(w, s, FP16, BLOCK_N)
-                a0 = _chunk_operand(w0, s0, FP16, CHUNK_L, BLOCK_N, A)
-                acc = warpgroup_mma(a0, x_smem.index(2 * st).permute((1, 0)), acc, is_async=True)
-                a1 = _chunk_operand(w1, s1, FP16, CHUNK_L, BLOCK_N, A)
-                acc = warpgroup_mma(a1, x_smem.index(2 * st + 1).permute((1, 0)), acc, is_async=True)
-                acc = warpgroup_mma_wait(0, deps=[acc])
-                fence_async_shared()  # (this stage's generic reads before the producer's next TMA writes)
-                _cta_barrier()  # (these warps only) every warp is done with the stage
-                mbarrier.arrive(empty.index(st), count=1)
+                b0 = _chunk_operand(w0, s0, FP16, CHUNK_L, BLOCK_N, A)  # (while the last pair's wgmmas run)
+                acc = warpgroup_mma(b0, x_smem.index(2 * st).permute((1, 0)), acc, is_async=True)
+                b1 = _chunk_operand(w1, s1, FP16, CHUNK_L, BLOCK_N, A)
+                acc = warpgroup_mma(b1, x_smem.index(2 * st + 1).permute((1, 0)), acc, is_async=True)
+                acc, a0, a1 = warpgroup_mma_wait(2, deps=[acc, a0, a1])  # the last pair's wgmmas are done
+                a0, a1 = b0, b1
+                if pair > p_begin:  # release the last pair's stage
+                    fence_async_shared()  # (its generic reads before the producer's next TMA writes)
+                    _cta_barrier()  # (these warps only) every warp is done with it
+                    mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), count=1)
                 c += 1
+            acc, a0, a1 = warpgroup_mma_wait(0, deps=[acc, a0, a1])
+            fence_async_shared()
+            _cta_barrier()
+            mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), count=1)  # the tile's last pair's stage
             _finish_tile(acc, g_ptr, y_ptr, part_ptr, lock_ptr, M, N, n0, m0, p, u == u_lo, tile, p_begin, p_end,
                          n_pairs, units, programs, stride_ym, BLOCK_N, BLOCK_M, NUM_WARPS, MMA)
             u += p_end - p_begin
