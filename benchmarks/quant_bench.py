@@ -105,19 +105,6 @@ def sweep_tiles(m: int) -> list:
     if m <= g.max_rows(torch.device(DEV), torch.bfloat16):  # (the dtype of the GPU runs)
         d = g.default_tiles(m, on_sm90)
         first = [dataclasses.replace(d, pdl=False)] + ([dataclasses.replace(d, pdl=True)] if on_sm90 else [])
-    if on_sm90:  # warp-specialized: a producer warp's TMA ring feeding the wgmma warps (ws_stages)
-        bm = next(b for b in (8, 16, 32, 64, 128, 256) if m <= b or b == 256)
-        if bm <= 32:
-            first += [T(128, bm, 4, wgmma=True, ws_stages=8), T(128, bm, 8, wgmma=True, ws_stages=8),
-                      T(128, bm, 4, wgmma=True, ws_stages=4), T(128, bm, 4, 2, wgmma=True, ws_stages=4, maxnreg=128),
-                      T(64, bm, 4, 2, wgmma=True, ws_stages=8, maxnreg=128), T(128, bm, 4, split=0, wgmma=True,
-                                                                               ws_stages=8)]
-        elif bm == 64:
-            first += [T(128, 64, 8, wgmma=True, ws_stages=4), T(128, 64, 4, wgmma=True, ws_stages=4),
-                      T(128, 64, 4, 2, wgmma=True, ws_stages=3, maxnreg=128), T(64, 64, 4, wgmma=True, ws_stages=6)]
-        else:
-            first += [T(128, bm, 8, wgmma=True, ws_stages=3), T(128, bm, 8, wgmma=True, ws_stages=4),
-                      T(64, bm, 4, wgmma=True, ws_stages=4), T(64, bm, 4, wgmma=True, ws_stages=2)]
     wgmma = []  # the warpgroup-MMA path (sm_90), x also gathered into MMA order by the kernel up to 64 rows
     if m > 8 and on_sm90:
         bm = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128

@@ -129,29 +129,6 @@ def test_gluon_w4a16_register_cap_changes_no_bit(m, cap):
     assert torch.equal(g.w4a16_mma_matmul(x, wt, torch.full_like(y, float("nan")), t), y)
 
 
-
-@gpu
-@pytest.mark.parametrize("tiles", [(128, 8, 4, None, None, 8, None), (128, 16, 8, None, 0, 4, None),
-                                   (64, 32, 4, 2, None, 3, 128), (128, 64, 8, None, 1, 2, None),
-                                   (128, 128, 8, None, 3, 4, None), (64, 256, 4, None, None, 2, None)],
-                         ids=lambda t: "x".join(map(str, t)))
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gluon_w4a16_warp_specialized(tiles, dtype):
-    """``GluonTiles.ws_stages`` (sm_90: a producer warp fills a ring of TMA stages that the wgmma warps
-    drain): batch tiles 8-256, one or two warpgroups, stream-K (one or two programs an SM), split-K
-    (1, 3, a wave's worth), 2-8 stages, a register cap; M, N not multiples of the tile, K not of 128:
-    within the float64 bound, the same bits on a second call, the tile counters back at zero."""
-    from kvserve.kernels import gluon_w4a16 as g
-
-    if not g.wgmma_available(torch.device("cuda")):
-        pytest.skip("warpgroup MMAs need sm_90")
-    bn, bm, nw, per_sm, split, stages, cap = tiles
-    m, n, k = 2 * bm - 3, 3 * bn + 6, 1152 + 64
-    t = g.GluonTiles(bn, bm, nw, per_sm, split=split, wgmma=True, ws_stages=stages, maxnreg=cap)
-    x, wt, y = _tiles_ok(m, n, k, bn + bm + nw + stages, dtype, t)
-    with pytest.raises(ValueError, match="ws_stages 0 or 2-8, with wgmma"):
-        g.w4a16_mma_matmul(x, wt, y, g.GluonTiles(bn, bm, nw, ws_stages=stages))
-
 @pytest.mark.parametrize("cap", [16, 256])
 def test_gluon_w4a16_rejects_a_register_cap_ptxas_cannot_take(cap):
     """A register cap outside 32-255 is refused before any launch, naming the accepted range."""
