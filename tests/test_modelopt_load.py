@@ -135,11 +135,19 @@ def test_malformed_exports_name_the_tensor(export, tmp_path):
         assert message in str(e.value), (i, str(e.value))
 
 
-def test_default_model_export_equals_its_dequantized_twin_on_the_golden_set(default_model_path, shared_eval, tmp_path):
+def test_default_model_export_equals_its_dequantized_twin_on_the_golden_set(default_model_path, shared_eval, tmp_path,
+                                                                           monkeypatch):
     """The real SmolLM2-135M, MIXED_PRECISION (the Qwen3.5 recipe on a Llama: MLPs W4A16_NVFP4,
     attention FP8; its lm_head is tied, so it stays as it is), float32: 24/24 golden prompts give
-    the dequantized twin's greedy tokens."""
+    the dequantized twin's greedy tokens (on a GPU through the W4A16 GEMM). The FP8 layers stay on
+    their dequantized reference everywhere (``FP8_GEMM_DEVICES`` empty): on CUDA they would quantize
+    their activations too (W8A8 with the static input scale, vLLM's path), which no dequantized twin
+    reproduces (2 of 24 prompts agreed on the H200, 2026-12-03); tests/test_fp8_linear.py holds that
+    GEMM to its torch formula."""
+    from kvserve.layers import quant_linear
     from kvserve.tools.parity import read_jsonl
+
+    monkeypatch.setattr(quant_linear, "FP8_GEMM_DEVICES", ())
 
     folder = export_modelopt(default_model_path, tmp_path / "export", "MIXED_PRECISION", kv_cache_quant_algo=None,
                              calibration_tokens=64)
