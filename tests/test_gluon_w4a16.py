@@ -115,32 +115,6 @@ def test_gluon_w4a16_wgmma(tiles, dtype):
 
 
 @gpu
-@pytest.mark.parametrize("tiles", [(64, 128, 4, None, None, 4, None), (128, 128, 8, None, None, 3, None),
-                                   (128, 64, 8, 2, None, 2, None), (64, 256, 4, None, 1, 3, None),
-                                   (64, 64, 4, None, 3, 6, None), (64, 8, 4, 2, None, 8, 128),
-                                   (64, 32, 4, None, 0, 8, 128), (64, 16, 4, 3, None, 5, None)],
-                         ids=lambda t: "x".join(map(str, t)))
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gluon_w4a16_warp_specialized(tiles, dtype):
-    """``GluonTiles.ws_stages`` (sm_90: a producer warp's TMA copies into a ring of stages, one wgmma
-    warpgroup for each 64 rows, none waiting for another): batch tiles 8-256, one or two warpgroups,
-    stream-K (one or more programs an SM), split-K (1, 3, a wave's worth), 2-8 stages, a register cap
-    (two programs an SM); M, N not multiples of the tile, K not of 128: within the float64 bound, the
-    same bits on a second call, the tile counters back at zero. A tile it cannot run is refused
-    before any launch."""
-    from kvserve.kernels import gluon_w4a16 as g
-
-    if not g.wgmma_available(torch.device("cuda")):
-        pytest.skip("warpgroup MMAs need sm_90")
-    bn, bm, nw, per_sm, split, stages, cap = tiles
-    m, n, k = 2 * bm - 3, 3 * bn + 6, 1152 + 64
-    t = g.GluonTiles(bn, bm, nw, per_sm, split=split, wgmma=True, ws_stages=stages, maxnreg=cap)
-    x, wt, y = _tiles_ok(m, n, k, bn + bm + nw + stages, dtype, t)
-    with pytest.raises(ValueError, match="ws_stages 0 or 2-8, with wgmma, block_n = 16 x num_warps"):
-        g.w4a16_mma_matmul(x, wt, y, g.GluonTiles(bn, bm, nw, ws_stages=stages))
-
-
-@gpu
 @pytest.mark.parametrize("m,cap", [(1, 80), (8, 72), (16, 128), (32, 168)])
 def test_gluon_w4a16_register_cap_changes_no_bit(m, cap):
     """``GluonTiles.maxnreg`` (ptxas keeps the kernel within that many registers, so more programs fit an

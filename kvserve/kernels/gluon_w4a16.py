@@ -62,14 +62,11 @@ try:  # (triton >= 3.4)
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # (3.9 / 3.6)
     _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # (triton 3.6: thread_barrier; 3.9: barrier)
     _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared  # (3.9 / 3.6)
 except (ImportError, AttributeError):  # pragma: no cover (a triton without Gluon, or another Gluon API)
     gluon = gl = async_copy = mma_v2 = _cta_barrier = _cp_async = None
-    fence_async_shared = warpgroup_mma = warpgroup_mma_wait = mbarrier = tma = TensorDescriptor = _tma_load = None
+    fence_async_shared = warpgroup_mma = warpgroup_mma_wait = None
 
 MAX_M = 64  # batch rows w4a16_linear gives it before sm_90 (H200 at 64: 1.03-1.09x cuBLAS, Triton 0.72-0.83x)
 MAX_M_WGMMA = 256  # on sm_90, the wgmma tiles (H200, 128 / 256 rows: 1.8-2.1x / 1.15x the paths before)
@@ -111,10 +108,6 @@ class GluonTiles:
     x_gather: bool = False  # with wgmma and K % 128 == 0: x put in MMA order by the kernel's 4-byte copies
     pdl: bool = False  # programmatic dependent launch (sm_90): weights loaded before waiting for the last kernel
     maxnreg: int | None = None  # registers a thread at most (ptxas): fewer than it picks, more programs an SM
-    # sm_90, with wgmma: warp-specialized; a producer warp TMA-copies each pair's codes, scales and x into a
-    # ring of ws_stages stages; each of the num_warps / 4 wgmma warpgroups drains it for its own 64 rows,
-    # none waiting for another (an mbarrier each way a stage, no CTA barrier)
-    ws_stages: int = 0
 
 
 def default_tiles(m: int, sm90: bool = False) -> GluonTiles:
@@ -616,142 +609,6 @@ if gluon is not None:
                          n_pairs, units, programs, stride_ym, BLOCK_N, BLOCK_M, NUM_WARPS, MMA)
             u += p_end - p_begin
 
-    @gluon.jit
-    def _ws_range(programs, units):
-        """The units [u_lo, u_hi) of this program (as ``_w4a16_mma_kernel``)."""
-        p = gl.program_id(0)
-        u_lo = (p.to(gl.int64) * units // programs).to(gl.int32)
-        return u_lo, ((p.to(gl.int64) + 1) * units // programs).to(gl.int32)
-
-    @gluon.jit
-    def _ws_issue(j, u_lo, u_hi, w_desc, s_desc, x_desc, w_smem, s_smem, x_smem, ready, empty, N, n_pairs, tiles_m,
-                  BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr):
-        """The program's j-th pair (unit u_lo + j, none past u_hi): once every warpgroup has released its
-        stage (its use j - STAGES), TMA-copy its codes [BN, 4, 4], scales [BN / 2, 8] and both chunks of x
-        [BM, 64] there, completing the stage's ``ready`` barrier."""
-        STAGES: gl.constexpr = w_smem.type.shape[0]
-        nbytes: gl.constexpr = w_desc.block_type.nbytes + s_desc.block_type.nbytes + 2 * x_desc.block_type.nbytes
-        u = u_lo + j
-        if u < u_hi:
-            tile = u // n_pairs
-            pair = u - tile * n_pairs
-            n0 = (tile // tiles_m) * BLOCK_N
-            m0 = (tile % tiles_m) * BLOCK_M
-            st = j % STAGES
-            mbarrier.wait(empty.index(st), ((j // STAGES) & 1) ^ 1)  # (a fresh barrier: phase 1 is complete)
-            bar = ready.index(st)
-            mbarrier.expect(bar, nbytes)
-            row = pair * N + n0
-            _tma_load(w_desc, [row, 0, 0], bar, w_smem.index(st))
-            _tma_load(s_desc, [row // 2, 0], bar, s_smem.index(st))
-            _tma_load(x_desc, [m0, pair * 128], bar, x_smem.index(2 * st))
-            _tma_load(x_desc, [m0, pair * 128 + 64], bar, x_smem.index(2 * st + 1))
-
-    @gluon.jit
-    def _ws_load(w_desc, s_desc, x_desc, w_smem, s_smem, x_smem, ready, empty, N, n_pairs, tiles_m, units, programs,
-                 BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr):
-        """The producer warp: the program's pairs in order, each into the next stage once every wgmma
-        warpgroup has released it (``_ws_issue``)."""
-        u_lo, u_hi = _ws_range(programs, units)
-        for j in range(u_hi - u_lo):
-            _ws_issue(j, u_lo, u_hi, w_desc, s_desc, x_desc, w_smem, s_smem, x_smem, ready, empty, N, n_pairs,
-                      tiles_m, BLOCK_N, BLOCK_M)
-
-    @gluon.jit
-    def _ws_mma(HALF: gl.constexpr, g_ptr, y_ptr, part_ptr, lock_ptr, w_smem, s_smem, x_smem, ready, empty, M, N,
-                n_pairs, tiles_m, units, programs, stride_ym, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
-                FP16: gl.constexpr, PAIR_L: gl.constexpr, SCALE_L: gl.constexpr, S2_L: gl.constexpr,
-                CHUNK_L: gl.constexpr):
-        """Wgmma warpgroup HALF: rows [64 HALF, 64 HALF + 64) of each tile. For each pair: wait for its
-        stage, decode its rows' codes from shared memory into the A operands of two K = 64 wgmmas
-        against the stage's x, each decoded while the wgmma before it runs (a pair's second runs on into
-        the next pair), and release the stage once its second wgmma is done. A tile's rows are finished
-        as in ``_w4a16_mma_kernel``, each warpgroup with its own partial slots and tile counters
-        (``part_ptr``, ``lock_ptr``)."""
-        RN: gl.constexpr = 64
-        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                      instr_shape=[16, BLOCK_M, 16])
-        A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-        STAGES: gl.constexpr = w_smem.type.shape[0]
-        p = gl.program_id(0)
-        u_lo, u_hi = _ws_range(programs, units)
-        u = u_lo
-        c = 0
-        while u < u_hi:
-            tile = u // n_pairs
-            p_begin = u - tile * n_pairs
-            p_end = gl.minimum(n_pairs, p_begin + (u_hi - u))
-            n0 = (tile // tiles_m) * BLOCK_N + HALF * RN
-            m0 = (tile % tiles_m) * BLOCK_M
-            acc = gl.zeros([RN, BLOCK_M], gl.float32, MMA)
-            a_prev = gl.zeros([RN, 64], x_smem.dtype, A)  # the A operand of the wgmma left running (none yet)
-            for pair in range(p_begin, p_end):
-                st = c % STAGES
-                mbarrier.wait(ready.index(st), (c // STAGES) & 1)
-                w = w_smem.index(st).slice(HALF * RN, RN, dim=0).load(PAIR_L)
-                s = s_smem.index(st).slice(HALF * (RN // 2), RN // 2, dim=0).load(S2_L)
-                s = gl.convert_layout(gl.reshape(s, [RN, 4]), SCALE_L)
-                w0, s0, w1, s1 = _split_pair(w, s, FP16, RN)
-                a0 = _chunk_operand(w0, s0, FP16, CHUNK_L, RN, A)  # (while the last pair's second wgmma runs)
-                acc = warpgroup_mma(a0, x_smem.index(2 * st).permute((1, 0)), acc, is_async=True)
-                acc, a_prev = warpgroup_mma_wait(1, deps=[acc, a_prev])  # the last pair's second is done
-                if pair > p_begin:  # so its stage is free
-                    fence_async_shared()  # (its generic reads before the next TMA writes)
-                    _cta_barrier()  # (this warpgroup's warps) every warp is done with it
-                    mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), count=1)
-                a1 = _chunk_operand(w1, s1, FP16, CHUNK_L, RN, A)  # (while the first chunk's wgmma runs)
-                acc = warpgroup_mma(a1, x_smem.index(2 * st + 1).permute((1, 0)), acc, is_async=True)
-                acc, a0 = warpgroup_mma_wait(1, deps=[acc, a0])  # this pair's first; its second runs on
-                a_prev = a1
-                c += 1
-            acc, a_prev = warpgroup_mma_wait(0, deps=[acc, a_prev])
-            fence_async_shared()
-            _cta_barrier()
-            mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), count=1)  # the tile's last pair's stage
-            _finish_tile(acc, g_ptr, y_ptr, part_ptr, lock_ptr, M, N, n0, m0, p, u == u_lo, tile, p_begin, p_end,
-                         n_pairs, units, programs, stride_ym, RN, BLOCK_M, 4, MMA)
-            u += p_end - p_begin
-
-    @gluon.jit(do_not_specialize=["M", "N", "n_pairs", "tiles_m", "units", "programs", "half_parts", "n_tiles"])
-    def _w4a16_ws_kernel(
-        w_desc, s_desc, x_desc, g_ptr, y_ptr, part_ptr, lock_ptr, M, N, n_pairs, tiles_m, units, programs, stride_ym,
-        half_parts, n_tiles,
-        BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, FP16: gl.constexpr, STAGES: gl.constexpr,
-        PAIR_L: gl.constexpr, SCALE_L: gl.constexpr, S2_L: gl.constexpr, CHUNK_L: gl.constexpr,
-        CONSUMER_REGS: gl.constexpr,
-    ):
-        """``GluonTiles.ws_stages``: the units of ``_w4a16_mma_kernel`` (stream-K or split-K) over tiles of
-        BLOCK_N = 64 or 128 rows: a producer warp (``_ws_load``) and one wgmma warpgroup (``_ws_mma``) for
-        each 64 rows pass STAGES shared-memory stages of a pair back and forth through two mbarriers a
-        stage (``empty`` counts one arrival a warpgroup). The second warpgroup's partial slots start ``half_parts`` floats in and its
-        tile counters ``n_tiles`` in. x is the permuted copy (``mma_order``)."""
-        w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, 4, 4], w_desc.layout)
-        s_smem = gl.allocate_shared_memory(gl.int16, [STAGES, BLOCK_N // 2, 8], s_desc.layout)
-        x_smem = gl.allocate_shared_memory(x_desc.dtype, [2 * STAGES, BLOCK_M, 64], x_desc.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=BLOCK_N // 64)
-        fence_async_shared()
-        if BLOCK_N == 128:
-            gl.warp_specialize([
-                (_ws_mma, (0, g_ptr, y_ptr, part_ptr, lock_ptr, w_smem, s_smem, x_smem, ready, empty, M, N, n_pairs,
-                           tiles_m, units, programs, stride_ym, BLOCK_N, BLOCK_M, FP16, PAIR_L, SCALE_L, S2_L, CHUNK_L)),
-                (_ws_mma, (1, g_ptr, y_ptr, part_ptr + half_parts, lock_ptr + n_tiles, w_smem, s_smem, x_smem, ready,
-                           empty, M, N, n_pairs, tiles_m, units, programs, stride_ym, BLOCK_N, BLOCK_M, FP16, PAIR_L,
-                           SCALE_L, S2_L, CHUNK_L)),
-                (_ws_load, (w_desc, s_desc, x_desc, w_smem, s_smem, x_smem, ready, empty, N, n_pairs, tiles_m, units,
-                            programs, BLOCK_N, BLOCK_M)),
-            ], [4, 1], [CONSUMER_REGS, 40])
-        else:
-            gl.warp_specialize([
-                (_ws_mma, (0, g_ptr, y_ptr, part_ptr, lock_ptr, w_smem, s_smem, x_smem, ready, empty, M, N, n_pairs,
-                           tiles_m, units, programs, stride_ym, BLOCK_N, BLOCK_M, FP16, PAIR_L, SCALE_L, S2_L, CHUNK_L)),
-                (_ws_load, (w_desc, s_desc, x_desc, w_smem, s_smem, x_smem, ready, empty, N, n_pairs, tiles_m, units,
-                            programs, BLOCK_N, BLOCK_M)),
-            ], [1], [40])
-
 
 def w4a16_mma_matmul(x2: torch.Tensor, weight: tw.W4A16Weight, y: torch.Tensor,
                      tiles: GluonTiles | None = None) -> torch.Tensor:
@@ -765,18 +622,13 @@ def w4a16_mma_matmul(x2: torch.Tensor, weight: tw.W4A16Weight, y: torch.Tensor,
             or (t.split is not None and t.split < 0)
             or (t.wgmma and (t.num_warps % 4 or t.block_m < 4 * t.num_warps or t.x_stages not in (2, 3, 4)))
             or (t.mma_overlap and not (t.wgmma and t.x_stages >= 3))
-            or (t.maxnreg is not None and not 32 <= t.maxnreg <= 255)
-            or (t.ws_stages and (not t.wgmma or t.ws_stages not in range(2, 9) or t.block_n != 16 * t.num_warps
-                                 or t.pdl or t.mma_overlap or t.x_gather))):
+            or (t.maxnreg is not None and not 32 <= t.maxnreg <= 255)):
         raise ValueError(f"w4a16_mma_matmul: {t} needs block_m in 8, 16, 32, 64, block_n a multiple of "
                          f"16 x num_warps, num_warps in 1, 2, 4, 8 and prefetch 1, 2 or 3 (x_smem: block_m >= 2 x "
                          f"num_warps; split None or >= 0; wgmma: block_m up to 256 and >= 4 x num_warps, num_warps "
                          f"4 or 8, x_stages 2, 3 or 4; mma_overlap: wgmma with x_stages 3 or 4; maxnreg None or "
-                         f"32-255; ws_stages 0 or 2-8, with wgmma, block_n = 16 x num_warps, without pdl, "
-                         f"mma_overlap, x_gather)")
+                         f"32-255)")
     n_pairs = weight.codes.shape[1]
-    if t.ws_stages:
-        return _ws_matmul(x2, weight, y, t)
     gather = t.wgmma and t.x_gather and k % 128 == 0
     if t.wgmma and not gather:
         x2 = mma_order(x2, n_pairs)
@@ -814,64 +666,6 @@ def w4a16_mma_matmul(x2: torch.Tensor, weight: tw.W4A16Weight, y: torch.Tensor,
     part = (torch.empty((programs, 2, t.block_n, t.block_m), dtype=torch.float32, device=x2.device) if streamed
             else tw._no_parts(x2.device))
     _w4a16_mma_kernel[(programs,)](*args(programs, part, tw._tile_locks(x2.device)), **meta)
-    return y
-
-
-@functools.lru_cache(maxsize=None)
-def _ws_scale_layout(block_n: int, num_warps: int):
-    """With ``ws_stages``: the register layout of a pair's scales read from their TMA stage [BN / 2, 8]
-    (two rows a 16-byte line) whose row-major reshape to [BN, 4] is ``_layouts``' scale layout:
-    element (n, q) sits at (n // 2, 4 (n % 2) + q)."""
-    scales = _layouts(block_n, 8, num_warps)[1]
-    move = lambda v: [v[0] >> 1, 4 * (v[0] & 1) + v[1]]  # noqa: E731 (linear on the power-of-two bases)
-    return gl.DistributedLinearLayout(reg_bases=[move(v) for v in scales.reg_bases],
-                                      lane_bases=[move(v) for v in scales.lane_bases],
-                                      warp_bases=[move(v) for v in scales.warp_bases], block_bases=[],
-                                      shape=[block_n // 2, 8])
-
-
-WS_CONSUMER_REGS = 256  # registers a thread of each wgmma warpgroup (setmaxnreg: all 64K of the SM's two)
-
-
-def _ws_matmul(x2: torch.Tensor, weight: tw.W4A16Weight, y: torch.Tensor, t: GluonTiles) -> torch.Tensor:
-    """``w4a16_mma_matmul`` with ``GluonTiles.ws_stages``: codes, scales and the permuted x through TMA
-    descriptors (the codes and scales in their pair-major blocks), ``programs_per_sm`` (default 1)
-    programs an SM for stream-K."""
-    m, k = x2.shape
-    n, n_pairs = weight.out_features, weight.codes.shape[1]
-    codes, scales = weight.codes.view(torch.int32), weight.scales.view(torch.int16)  # [N, pair, 16 / 4]
-    if not (codes.stride(0) == 16 and codes.stride(1) == 16 * n and scales.stride(0) == 4
-            and scales.stride(1) == 4 * n and n % 2 == 0):
-        raise ValueError(f"w4a16_mma_matmul: ws_stages needs pack_w4a16's pair-major codes and scales and an even "
-                         f"out_features, got strides {codes.stride()} / {scales.stride()}, N = {n}")
-    xp = mma_order(x2, n_pairs)
-    plain = lambda bits, rank: gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=bits, rank=rank)  # noqa: E731
-    w_desc = TensorDescriptor.from_tensor(codes.transpose(0, 1).reshape(n_pairs * n, 4, 4), [t.block_n, 4, 4],
-                                          plain(32, 3))
-    s_desc = TensorDescriptor.from_tensor(scales.transpose(0, 1).reshape(n_pairs * n // 2, 8), [t.block_n // 2, 8],
-                                          plain(16, 2))
-    x_desc = TensorDescriptor.from_tensor(xp, [t.block_m, 64], gl.NVMMASharedLayout(
-        swizzle_byte_width=128, element_bitwidth=16, rank=2))
-    tiles_n, tiles_m = triton.cdiv(n, t.block_n), triton.cdiv(m, t.block_m)
-    n_tiles = tiles_n * tiles_m
-    units = n_tiles * n_pairs
-    if 2 * n_tiles > tw._LOCKS or t.split == 1:
-        programs = n_tiles
-    elif t.split:
-        programs = n_tiles * min(t.split, n_pairs)
-    else:
-        wave = num_sms(x2.device) * (t.programs_per_sm or 1)
-        programs = min(units, wave) if t.split is None else n_tiles * max(1, min(n_pairs, wave // n_tiles))
-    halves = t.block_n // 64
-    part = (torch.empty((halves, programs, 2, 64, t.block_m), dtype=torch.float32, device=x2.device)
-            if programs != n_tiles else tw._no_parts(x2.device))
-    pair_l, scale_l, chunk_l, _ = _layouts(64, t.block_m, 4)
-    _w4a16_ws_kernel[(programs,)](
-        w_desc, s_desc, x_desc, weight.row_scale, y, part, tw._tile_locks(x2.device), m, n, n_pairs, tiles_m, units,
-        programs, y.stride(0), programs * 2 * 64 * t.block_m, n_tiles, BLOCK_N=t.block_n, BLOCK_M=t.block_m,
-        FP16=x2.dtype == torch.float16, STAGES=t.ws_stages, PAIR_L=pair_l, SCALE_L=scale_l,
-        S2_L=_ws_scale_layout(64, 4), CHUNK_L=chunk_l, CONSUMER_REGS=WS_CONSUMER_REGS, num_warps=4,
-        **({"maxnreg": t.maxnreg} if t.maxnreg else {}))
     return y
 
 
