@@ -47,6 +47,9 @@ SHAPES = {"gate_or_up": (17408, 5120), "gate_up_fused": (34816, 5120), "down": (
 FP8_SHAPES = {"gdn_in_qkvz": (16384, 5120), "gdn_out": (5120, 6144)}
 FP8_BATCHES = [1, 32, 256, 4096]
 BATCHES = [1, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]  # decode batches, then prefill chunks
+# the Qwen3.6-35B-A3B's routed experts (hybrid-gdn-models.md 1.9): 256 SwiGLU experts 2048 -> 512, 8 a token
+MOE = {"experts": 256, "hidden": 2048, "intermediate": 512, "top_k": 8}
+MOE_TOKENS = [1, 32, 256, 1024]
 
 
 def _time_ms(fns: list) -> float:
@@ -260,6 +263,101 @@ def bench_fp8(shapes: dict, batches: list[int], doc: dict, save) -> None:
             save()
 
 
+def _copy_gbps() -> float:
+    """This GPU's copy bandwidth (GB/s: bytes read + written) over a 2 GiB device-to-device copy."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=DEV)
+    dst = torch.empty_like(src)
+    ms = _time_ms([lambda: dst.copy_(src)])
+    return 2 * src.numel() / ms / 1e6
+
+
+def bench_moe(cfg: dict, tokens: list[int], doc: dict, save) -> None:
+    """Routed experts on NVFP4 weights (``NVFP4Experts``, dummy-loaded: ``moe_align`` on the device, the
+    grouped W4A16 GEMMs for gate | up and down) against the same experts dequantized to bf16 in the
+    dense ``Experts`` (one GEMM pair an expert, counts read on the host), on random top-k routing.
+    Timed: the two grouped GEMMs alone (CUDA graph, as ``_time_ms``), the whole NVFP4 forward and the
+    dense forward (eager: the dense loop cannot be captured), and the floor: the bytes of the experts
+    the batch routes to (codes, block and row scales) over the copy bandwidth measured here."""
+    from kvserve.kernels.triton_w4a16 import w4a16_grouped_matmul
+    from kvserve.layers.quant_experts import NVFP4Experts, moe_align
+    from kvserve.models.qwen3_next import Experts
+
+    e, h, i, k = cfg["experts"], cfg["hidden"], cfg["intermediate"], cfg["top_k"]
+    gen = torch.Generator(device=DEV).manual_seed(3)
+
+    def nvfp4() -> NVFP4Experts:
+        q = NVFP4Experts(e, h, i, DEV)
+        q.init_dummy(gen)
+        return q
+
+    q0 = nvfp4()
+    dense = Experts(e, h, i).to(DEV)
+    with torch.no_grad():  # the bf16 twin: e2m1 * s_b * s2 in fp32, rounded once
+        for name in ("gate_up_proj", "down_proj"):
+            w = getattr(q0, name)
+            ones = torch.ones(e, device=DEV)
+            deq = dequantize_nvfp4(w, getattr(q0, f"{name}_scale"), ones, torch.float32)
+            getattr(dense, name).data = (deq * getattr(q0, f"{name}_scale_2")[..., None]).to(DTYPE)
+    q0.finalize()
+    per_expert = sum(t[0].numel() * t.element_size() for n in ("gate_up_proj", "down_proj")
+                     for t in (q0.packed[n].codes, q0.packed[n].scales, q0.packed[n].row_scale))  # one expert's bytes
+    copies = [q0] + [nvfp4() for _ in range(_copies(per_expert * e) - 1)]
+    for q in copies[1:]:
+        q.finalize()
+    gbps = _copy_gbps() if DEV == "cuda" else float("nan")
+    doc["moe_copy_gbps"] = gbps
+    for t in tokens:
+        x = (torch.randn(t, h, generator=gen, device=DEV) * 0.5).to(DTYPE)
+        logits = torch.randn(t, e, generator=gen, device=DEV)
+        top_w, top_idx = torch.softmax(logits, -1).topk(k, dim=-1)
+        top_w = top_w.to(DTYPE)
+        with torch.no_grad():
+            want = dense(x, top_idx, top_w)
+            got = q0(x, top_idx, top_w)
+        err = float((got.float() - want.float()).abs().max() / want.float().abs().max())
+        block_m = 16 if t * k <= 16 * e else 64  # (as NVFP4Experts.forward)
+        ids, block_expert = moe_align(top_idx, e, block_m)
+        hb = torch.empty(t * k, 2 * i, dtype=DTYPE, device=DEV)
+        a = torch.randn(t * k, i, generator=gen, device=DEV).to(DTYPE)
+        db = torch.empty(t * k, h, dtype=DTYPE, device=DEV)
+
+        def gemms(q):
+            w4a16_grouped_matmul(x, q.packed["gate_up_proj"], ids, block_expert, block_m, k, hb)
+            w4a16_grouped_matmul(a, q.packed["down_proj"], ids, block_expert, block_m, 1, db)
+
+        gemm_ms = _time_ms([lambda q=q: gemms(q) for q in copies])
+
+        def eager_ms(fn) -> float:
+            fn()
+            if DEV != "cuda":
+                return float("nan")
+            torch.cuda.synchronize()
+            times = []
+            for _ in range(5):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                torch.cuda.synchronize()
+                times.append(start.elapsed_time(end))
+            return sorted(times)[2]
+
+        with torch.no_grad():
+            nvfp4_ms = eager_ms(lambda: q0(x, top_idx, top_w))
+            dense_ms = eager_ms(lambda: dense(x, top_idx, top_w))
+        touched = int(top_idx.unique().numel())
+        floor_ms = touched * per_expert / gbps / 1e6
+        row = {"tokens": t, "experts_touched": touched, "bytes_touched": touched * per_expert,
+               "grouped_gemms_ms": gemm_ms, "nvfp4_forward_eager_ms": nvfp4_ms, "bf16_loop_eager_ms": dense_ms,
+               "floor_ms": floor_ms, "gemms_over_floor": gemm_ms / floor_ms, "block_m": block_m, "rel_err": err,
+               "weight_copies": len(copies)}
+        doc["moe_rows"].append(row)
+        print(f"moe {t:5d} tokens ({touched} experts): grouped W4A16 GEMMs {gemm_ms * 1e3:8.1f} us "
+              f"({gemm_ms / floor_ms:.2f}x the {floor_ms * 1e3:.1f} us floor), NVFP4 forward {nvfp4_ms * 1e3:.1f} us, "
+              f"bf16 loop {dense_ms * 1e3:.1f} us (eager), rel err {err:.1e}", flush=True)
+        save()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
@@ -268,6 +366,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="also time a grid of launch tiles per point (the first N of it, all without N)")
     ap.add_argument("--fp8-batches", default=",".join(map(str, FP8_BATCHES)),
                     help="the FP8 layers' batches ('' = none)")
+    ap.add_argument("--moe-tokens", default=",".join(map(str, MOE_TOKENS)),
+                    help="the 35B-A3B routed experts' token counts ('' = none)")
     ap.add_argument("--time-budget-s", type=float, default=240.0, help="stop starting new points after this")
     ap.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, batch 1, 20 and 256, a short sweep")
     ap.add_argument("--out", default=None)
@@ -279,24 +379,29 @@ def main(argv: list[str] | None = None) -> int:
     shapes = {s: SHAPES[s] for s in a.shapes.split(",")}
     batches = [int(b) for b in a.batches.split(",") if b]
     fp8_shapes, fp8_batches = FP8_SHAPES, [int(b) for b in a.fp8_batches.split(",") if b]
+    moe, moe_tokens = MOE, [int(b) for b in a.moe_tokens.split(",") if b]
     if a.smoke:
         shapes, batches = {"tiny": (96, 128), "tiny_down": (64, 256)}, [1, 20, 256]
         fp8_shapes, fp8_batches = {"tiny_fp8": (48, 64)}, [1, 20]
+        moe, moe_tokens = {"experts": 8, "hidden": 64, "intermediate": 32, "top_k": 2}, [1, 5]
     doc = {"run": common.run_info("quant_bench", argv, a.smoke), "benchmark": "W4A16 NVFP4 GEMM vs bf16 GEMM",
            "device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu", "dtype": str(DTYPE), "rows": [],
-           "fp8_rows": []}
+           "fp8_rows": [], "moe": moe, "moe_rows": []}
     out = a.out or common.default_out("quant")
 
     def save() -> None:
         common.write_json(out, doc)
 
     bench_fp8(fp8_shapes, fp8_batches, doc, save)
+    bench_moe(moe, moe_tokens, doc, save)
     bench(shapes, batches, 3 if a.smoke else a.sweep, a.time_budget_s, doc, save)
     save()
     parts = [f"{r['shape']} m{r['m']} {r['speedup']:.2f}x" for r in doc["rows"]]
     fp8 = [f"{r['shape']} m{r['m']} {r['speedup']:.2f}x" for r in doc["fp8_rows"]]
     print(f"wrote {out}")
-    print("summary: w4a16 / bf16 GEMM speed " + ", ".join(parts) + "; FP8Linear / bf16 " + ", ".join(fp8))
+    moe_parts = [f"{r['tokens']} tokens {r['gemms_over_floor']:.2f}x" for r in doc["moe_rows"]]
+    print("summary: w4a16 / bf16 GEMM speed " + ", ".join(parts) + "; FP8Linear / bf16 " + ", ".join(fp8)
+          + "; grouped W4A16 expert GEMMs / their bytes' floor " + ", ".join(moe_parts))
     return 0
 
 

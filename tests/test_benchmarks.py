@@ -70,6 +70,14 @@ def test_quant_smoke_times_the_w4a16_gemm_and_checks_it_against_the_dequantized_
     assert [(r["shape"], r["m"]) for r in fp8] == [("tiny_fp8", 1), ("tiny_fp8", 20)]
     assert all(r["dense_ms"] > 0 and r["fp8_ms"] > 0 and r["err_over_abs_sum"] <= r["fp32_bound"] for r in fp8)
     assert "summary: w4a16 / bf16 GEMM speed tiny m1" in out and "FP8Linear / bf16 tiny_fp8 m1" in out
+    moe, cfg = doc["moe_rows"], doc["moe"]  # routed experts: NVFP4Experts against its dequantized bf16 twin
+    assert [r["tokens"] for r in moe] == [1, 5] and "grouped W4A16 expert GEMMs / their bytes' floor 1 tokens" in out
+    h, i = cfg["hidden"], cfg["intermediate"]  # a row: 64 code bytes + 8 scale bytes a pair of 128 inputs, 4 fp32
+    per_expert = (2 * i * -(-h // 128) + h * -(-i // 128)) * 72 + (2 * i + h) * 4
+    for r in moe:  # fp32 on the CPU: the twin differs in summation order only
+        assert 1 <= r["experts_touched"] <= min(cfg["experts"], r["tokens"] * cfg["top_k"])
+        assert r["bytes_touched"] == r["experts_touched"] * per_expert
+        assert r["grouped_gemms_ms"] > 0 and r["rel_err"] < 1e-5
 
 
 def test_quant_sweep_grid_on_an_sm90_device(monkeypatch):
