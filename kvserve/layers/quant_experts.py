@@ -34,7 +34,8 @@ def moe_align(top_idx: torch.Tensor, num_experts: int, block_m: int) -> tuple[to
     flat = top_idx.reshape(-1)
     rows = flat.numel()
     total = -(-(rows + num_experts * (block_m - 1)) // block_m) * block_m
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
+        0, flat.long(), torch.ones_like(flat, dtype=torch.int64))  # (torch.bincount reads its max on the host)
     padded = (counts + block_m - 1) // block_m * block_m
     pad_end = torch.cumsum(padded, 0)
     start = torch.cumsum(counts, 0) - counts
