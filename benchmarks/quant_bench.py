@@ -263,14 +263,6 @@ def bench_fp8(shapes: dict, batches: list[int], doc: dict, save) -> None:
             save()
 
 
-def _copy_gbps() -> float:
-    """This GPU's copy bandwidth (GB/s: bytes read + written) over a 2 GiB device-to-device copy."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=DEV)
-    dst = torch.empty_like(src)
-    ms = _time_ms([lambda: dst.copy_(src)])
-    return 2 * src.numel() / ms / 1e6
-
-
 def bench_moe(cfg: dict, tokens: list[int], doc: dict, save) -> None:
     """Routed experts on NVFP4 weights (``NVFP4Experts``, dummy-loaded: ``moe_align`` on the device, the
     grouped W4A16 GEMMs for gate | up and down) against the same experts dequantized to bf16 in the
@@ -278,6 +270,7 @@ def bench_moe(cfg: dict, tokens: list[int], doc: dict, save) -> None:
     Timed: the two grouped GEMMs alone (CUDA graph, as ``_time_ms``), the whole NVFP4 forward and the
     dense forward (eager: the dense loop cannot be captured), and the floor: the bytes of the experts
     the batch routes to (codes, block and row scales) over the copy bandwidth measured here."""
+    from kvserve.bench.throughput import measure_copy_bandwidth
     from kvserve.kernels.triton_w4a16 import w4a16_grouped_matmul
     from kvserve.layers.quant_experts import NVFP4Experts, moe_align
     from kvserve.models.qwen3_next import Experts
@@ -304,8 +297,9 @@ def bench_moe(cfg: dict, tokens: list[int], doc: dict, save) -> None:
     copies = [q0] + [nvfp4() for _ in range(_copies(per_expert * e) - 1)]
     for q in copies[1:]:
         q.finalize()
-    gbps = _copy_gbps() if DEV == "cuda" else float("nan")
-    doc["moe_copy_gbps"] = gbps
+    copy_bw = measure_copy_bandwidth(DEV) if DEV == "cuda" else {"GBps": float("nan")}
+    gbps = copy_bw["GBps"]  # (eager copies: a graph-captured copy_ is a copy-engine memcpy, 2.7 TB/s on the H200)
+    doc["moe_copy_bandwidth"] = copy_bw
     for t in tokens:
         x = (torch.randn(t, h, generator=gen, device=DEV) * 0.5).to(DTYPE)
         logits = torch.randn(t, e, generator=gen, device=DEV)
