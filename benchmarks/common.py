@@ -32,6 +32,32 @@ TINY_QWEN3: dict[str, Any] = {
 }
 
 
+
+def median_ms(fn, reps: int, warmup: int = 1, cuda: bool = True) -> float:
+    """Median milliseconds of ``reps`` eager calls of ``fn`` after ``warmup`` more: CUDA events around
+    each call (synchronized before and after) with ``cuda``, else the wall clock."""
+    import time
+
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        if cuda:
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e3)
+    return sorted(times)[len(times) // 2]
+
 def _version(dist: str) -> str | None:
     try:
         return metadata.version(dist)

@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 if "--smoke" in sys.argv:  # before any kvserve.kernels.triton_* import
@@ -51,23 +50,7 @@ DTYPE = torch.bfloat16 if DEV == "cuda" else torch.float32
 
 def _time_ms(fn, reps: int, warmup: int = 3) -> float:
     """Median milliseconds of ``fn`` (CUDA events; wall clock on the CPU smoke run)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        if DEV == "cuda":
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t) * 1e3)
-    return sorted(times)[len(times) // 2]
+    return common.median_ms(fn, reps, warmup, DEV == "cuda")
 
 
 def _fla():

@@ -321,24 +321,9 @@ def bench_moe(cfg: dict, tokens: list[int], doc: dict, save) -> None:
 
         gemm_ms = _time_ms([lambda q=q: gemms(q) for q in copies])
 
-        def eager_ms(fn) -> float:
-            fn()
-            if DEV != "cuda":
-                return float("nan")
-            torch.cuda.synchronize()
-            times = []
-            for _ in range(5):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                torch.cuda.synchronize()
-                times.append(start.elapsed_time(end))
-            return sorted(times)[2]
-
         with torch.no_grad():
-            nvfp4_ms = eager_ms(lambda: q0(x, top_idx, top_w))
-            dense_ms = eager_ms(lambda: dense(x, top_idx, top_w))
+            nvfp4_ms = common.median_ms(lambda: q0(x, top_idx, top_w), 5, 1, DEV == "cuda")
+            dense_ms = common.median_ms(lambda: dense(x, top_idx, top_w), 5, 1, DEV == "cuda")
         touched = int(top_idx.unique().numel())
         floor_ms = touched * per_expert / gbps / 1e6
         row = {"tokens": t, "experts_touched": touched, "bytes_touched": touched * per_expert,
