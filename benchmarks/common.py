@@ -1,5 +1,6 @@
 """What every benchmark of the suite shares: the run record at the top of each JSON (date, commit,
-command, GPU, library versions), the JSON writer, and the one summary line ``gpu.sh`` prints.
+command, GPU, library versions), the JSON writer, the one summary line ``gpu.sh`` prints, and the
+median of timed eager calls (``median_ms``).
 
 Not a benchmark itself; the scripts beside it import it (``benchmarks/`` is put on ``sys.path``
 by ``import common`` from a script in this folder)."""
