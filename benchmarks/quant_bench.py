@@ -285,12 +285,12 @@ def bench_moe(cfg: dict, tokens: list[int], doc: dict, save) -> None:
 
     q0 = nvfp4()
     dense = Experts(e, h, i).to(DEV)
-    with torch.no_grad():  # the bf16 twin: e2m1 * s_b * s2 in fp32, rounded once
+    with torch.no_grad():  # the twin: the reference dequantisation (dummy loading gives an expert's rows one s2)
         for name in ("gate_up_proj", "down_proj"):
-            w = getattr(q0, name)
-            ones = torch.ones(e, device=DEV)
-            deq = dequantize_nvfp4(w, getattr(q0, f"{name}_scale"), ones, torch.float32)
-            getattr(dense, name).data = (deq * getattr(q0, f"{name}_scale_2")[..., None]).to(DTYPE)
+            s2 = getattr(q0, f"{name}_scale_2")
+            assert bool((s2 == s2[:, :1]).all())
+            codes, block_scale = getattr(q0, name), getattr(q0, f"{name}_scale")
+            getattr(dense, name).data = dequantize_nvfp4(codes, block_scale, s2[:, 0], DTYPE)
     q0.finalize()
     per_expert = sum(t[0].numel() * t.element_size() for n in ("gate_up_proj", "down_proj")
                      for t in (q0.packed[n].codes, q0.packed[n].scales, q0.packed[n].row_scale))  # one expert's bytes
