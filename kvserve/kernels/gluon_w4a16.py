@@ -108,6 +108,10 @@ class GluonTiles:
     x_gather: bool = False  # with wgmma and K % 128 == 0: x put in MMA order by the kernel's 4-byte copies
     pdl: bool = False  # programmatic dependent launch (sm_90): weights loaded before waiting for the last kernel
     maxnreg: int | None = None  # registers a thread at most (ptxas): fewer than it picks, more programs an SM
+    # the weights' loads (gl.load's cache_modifier: "" or ".cg", L2 only; eviction_policy: "", "evict_first",
+    # "evict_last"): the codes are read once, x and the partial tiles again
+    w_cache_modifier: str = ""
+    w_eviction_policy: str = ""
 
 
 def default_tiles(m: int, sm90: bool = False) -> GluonTiles:
@@ -311,22 +315,25 @@ if gluon is not None:
         return _chunk_mma(acc, w1, s1, xb, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M)
 
     @gluon.jit
-    def _load_w(w_rows, s_rows, pair, p_last, stride_wp, stride_sp):
-        """A pair's codes and scales (pair clamped to p_last: past the range, a harmless reload)."""
+    def _load_w(w_rows, s_rows, pair, p_last, stride_wp, stride_sp, W_CM: gl.constexpr, W_EP: gl.constexpr):
+        """A pair's codes and scales (pair clamped to p_last: past the range, a harmless reload), loaded
+        with the cache modifier W_CM and eviction policy W_EP (``GluonTiles.w_cache``)."""
         at = gl.minimum(pair, p_last)
-        return gl.load(w_rows + at * stride_wp), gl.load(s_rows + at * stride_sp)
+        return (gl.load(w_rows + at * stride_wp, cache_modifier=W_CM, eviction_policy=W_EP),
+                gl.load(s_rows + at * stride_sp, cache_modifier=W_CM, eviction_policy=W_EP))
 
     @gluon.jit
-    def _first_pairs(w_rows, s_rows, p_begin, p_last, stride_wp, stride_sp, D: gl.constexpr):
+    def _first_pairs(w_rows, s_rows, p_begin, p_last, stride_wp, stride_sp, D: gl.constexpr, W_CM: gl.constexpr,
+                     W_EP: gl.constexpr):
         """The first D (2-4) pairs' codes and scales of a range (the unused last buffers repeat the second)."""
-        w0, s0 = _load_w(w_rows, s_rows, p_begin, p_last, stride_wp, stride_sp)
-        w1, s1 = _load_w(w_rows, s_rows, p_begin + 1, p_last, stride_wp, stride_sp)
+        w0, s0 = _load_w(w_rows, s_rows, p_begin, p_last, stride_wp, stride_sp, W_CM, W_EP)
+        w1, s1 = _load_w(w_rows, s_rows, p_begin + 1, p_last, stride_wp, stride_sp, W_CM, W_EP)
         w2, s2 = w1, s1
         w3, s3 = w1, s1
         if D >= 3:
-            w2, s2 = _load_w(w_rows, s_rows, p_begin + 2, p_last, stride_wp, stride_sp)
+            w2, s2 = _load_w(w_rows, s_rows, p_begin + 2, p_last, stride_wp, stride_sp, W_CM, W_EP)
         if D >= 4:
-            w3, s3 = _load_w(w_rows, s_rows, p_begin + 3, p_last, stride_wp, stride_sp)
+            w3, s3 = _load_w(w_rows, s_rows, p_begin + 3, p_last, stride_wp, stride_sp, W_CM, W_EP)
         return w0, s0, w1, s1, w2, s2, w3, s3
 
     @gluon.jit
@@ -479,7 +486,7 @@ if gluon is not None:
         EVEN_K: gl.constexpr, PREFETCH: gl.constexpr, X_SMEM: gl.constexpr, PAIR_L: gl.constexpr, SCALE_L: gl.constexpr,
         CHUNK_L: gl.constexpr,
         ACT_L: gl.constexpr, XCP_L: gl.constexpr, XS_L: gl.constexpr, WGMMA: gl.constexpr, X_STAGES: gl.constexpr,
-        X_GATHER: gl.constexpr, PDL: gl.constexpr, OVERLAP: gl.constexpr,
+        X_GATHER: gl.constexpr, PDL: gl.constexpr, OVERLAP: gl.constexpr, W_CM: gl.constexpr, W_EP: gl.constexpr,
     ):
         """Program p takes units [p U / P, (p + 1) U / P) of U = tiles x pairs (tile-major). With WGMMA,
         x is the permuted copy (``mma_order``, K a multiple of 128) and X_STAGES of its pairs are staged;
@@ -551,7 +558,8 @@ if gluon is not None:
             D: gl.constexpr = PREFETCH + 1
             p_last = p_end - 1
             if PDL:  # the weights do not depend on the previous kernel: in flight before the wait
-                w0, s0, w1, s1, w2, s2, w3, s3 = _first_pairs(w_rows, s_rows, p_begin, p_last, stride_wp, stride_sp, D)
+                w0, s0, w1, s1, w2, s2, w3, s3 = _first_pairs(w_rows, s_rows, p_begin, p_last, stride_wp,
+                                                              stride_sp, D, W_CM, W_EP)
                 _grid_dependency(True)
             x_from = 0
             if WGMMA:
@@ -566,26 +574,27 @@ if gluon is not None:
             blocks = (p_end - p_begin) // D
             pair = p_begin
             if not PDL:
-                w0, s0, w1, s1, w2, s2, w3, s3 = _first_pairs(w_rows, s_rows, p_begin, p_last, stride_wp, stride_sp, D)
+                w0, s0, w1, s1, w2, s2, w3, s3 = _first_pairs(w_rows, s_rows, p_begin, p_last, stride_wp,
+                                                              stride_sp, D, W_CM, W_EP)
             for _ in range(blocks):
                 acc, a_prev = _pair_step(acc, a_prev, w0, s0, pair, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K,
                                          EVEN_K, X_SMEM, WGMMA, X_STAGES, OVERLAP, FP16, A, B, CHUNK_L, BLOCK_N,
                                          BLOCK_M, XS_L, ACT_L)
-                w0, s0 = _load_w(w_rows, s_rows, pair + D, p_last, stride_wp, stride_sp)
+                w0, s0 = _load_w(w_rows, s_rows, pair + D, p_last, stride_wp, stride_sp, W_CM, W_EP)
                 acc, a_prev = _pair_step(acc, a_prev, w1, s1, pair + 1, p_begin, p_end, x_cols, x_feat, x_from,
                                          x_smem, K, EVEN_K, X_SMEM, WGMMA, X_STAGES, OVERLAP, FP16, A, B, CHUNK_L,
                                          BLOCK_N, BLOCK_M, XS_L, ACT_L)
-                w1, s1 = _load_w(w_rows, s_rows, pair + 1 + D, p_last, stride_wp, stride_sp)
+                w1, s1 = _load_w(w_rows, s_rows, pair + 1 + D, p_last, stride_wp, stride_sp, W_CM, W_EP)
                 if D >= 3:
                     acc, a_prev = _pair_step(acc, a_prev, w2, s2, pair + 2, p_begin, p_end, x_cols, x_feat, x_from,
                                              x_smem, K, EVEN_K, X_SMEM, WGMMA, X_STAGES, OVERLAP, FP16, A, B, CHUNK_L,
                                              BLOCK_N, BLOCK_M, XS_L, ACT_L)
-                    w2, s2 = _load_w(w_rows, s_rows, pair + 2 + D, p_last, stride_wp, stride_sp)
+                    w2, s2 = _load_w(w_rows, s_rows, pair + 2 + D, p_last, stride_wp, stride_sp, W_CM, W_EP)
                 if D >= 4:
                     acc, a_prev = _pair_step(acc, a_prev, w3, s3, pair + 3, p_begin, p_end, x_cols, x_feat, x_from,
                                              x_smem, K, EVEN_K, X_SMEM, WGMMA, X_STAGES, OVERLAP, FP16, A, B, CHUNK_L,
                                              BLOCK_N, BLOCK_M, XS_L, ACT_L)
-                    w3, s3 = _load_w(w_rows, s_rows, pair + 3 + D, p_last, stride_wp, stride_sp)
+                    w3, s3 = _load_w(w_rows, s_rows, pair + 3 + D, p_last, stride_wp, stride_sp, W_CM, W_EP)
                 pair += D
             if pair < p_end:  # the last (p_end - p_begin) % D pairs, already loaded
                 acc, a_prev = _pair_step(acc, a_prev, w0, s0, pair, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K,
@@ -622,12 +631,14 @@ def w4a16_mma_matmul(x2: torch.Tensor, weight: tw.W4A16Weight, y: torch.Tensor,
             or (t.split is not None and t.split < 0)
             or (t.wgmma and (t.num_warps % 4 or t.block_m < 4 * t.num_warps or t.x_stages not in (2, 3, 4)))
             or (t.mma_overlap and not (t.wgmma and t.x_stages >= 3))
-            or (t.maxnreg is not None and not 32 <= t.maxnreg <= 255)):
+            or (t.maxnreg is not None and not 32 <= t.maxnreg <= 255)
+            or t.w_cache_modifier not in ("", ".cg") or t.w_eviction_policy not in ("", "evict_first", "evict_last")):
         raise ValueError(f"w4a16_mma_matmul: {t} needs block_m in 8, 16, 32, 64, block_n a multiple of "
                          f"16 x num_warps, num_warps in 1, 2, 4, 8 and prefetch 1, 2 or 3 (x_smem: block_m >= 2 x "
                          f"num_warps; split None or >= 0; wgmma: block_m up to 256 and >= 4 x num_warps, num_warps "
                          f"4 or 8, x_stages 2, 3 or 4; mma_overlap: wgmma with x_stages 3 or 4; maxnreg None or "
-                         f"32-255)")
+                         f"32-255; w_cache_modifier '' or '.cg', w_eviction_policy '', 'evict_first' or "
+                         f"'evict_last')")
     n_pairs = weight.codes.shape[1]
     gather = t.wgmma and t.x_gather and k % 128 == 0
     if t.wgmma and not gather:
@@ -643,7 +654,7 @@ def w4a16_mma_matmul(x2: torch.Tensor, weight: tw.W4A16Weight, y: torch.Tensor,
                 EVEN_K=k % 128 == 0 or t.wgmma, PREFETCH=t.prefetch, X_SMEM=t.x_smem and k % 128 == 0 and not t.wgmma,
                 XCP_L=xcp_l, XS_L=xs_l, PAIR_L=pair_l, SCALE_L=scale_l, CHUNK_L=chunk_l, ACT_L=act_l,
                 WGMMA=t.wgmma, X_STAGES=t.x_stages, X_GATHER=gather, PDL=t.pdl, OVERLAP=t.mma_overlap,
-                launch_pdl=t.pdl,
+                W_CM=t.w_cache_modifier, W_EP=t.w_eviction_policy, launch_pdl=t.pdl,
                 **({"maxnreg": t.maxnreg} if t.maxnreg else {}),
                 num_warps=t.num_warps)
     codes, scales = weight.codes.view(torch.int32), weight.scales.view(torch.int16)  # [N, pair, 16 / 4]
