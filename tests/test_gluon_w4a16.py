@@ -130,32 +130,32 @@ def test_gluon_w4a16_register_cap_changes_no_bit(m, cap):
 
 
 @gpu
-@pytest.mark.parametrize("m,cache,evict", [(1, ".cg", ""), (8, "", "evict_first"), (16, ".cg", ""),
-                                           (32, ".cg", "evict_last"), (64, ".cg", ""), (128, "", "evict_first")])
-def test_gluon_w4a16_weight_load_hints_change_no_bit(m, cache, evict):
-    """``GluonTiles.w_cache_modifier`` / ``w_eviction_policy`` (where the weights' loads are cached)
-    change no bit: the batch's default tiles with the hints give the plain tiles' bits, within the
-    float64 bound."""
+@pytest.mark.parametrize("m,w_evict,x_evict", [(1, "evict_first", ""), (8, "evict_first", "evict_last"),
+                                               (16, "evict_last", "evict_first"), (32, "evict_first", "evict_last"),
+                                               (64, "evict_first", ""), (128, "evict_first", "evict_last")])
+def test_gluon_w4a16_eviction_policies_change_no_bit(m, w_evict, x_evict):
+    """``GluonTiles.w_eviction_policy`` / ``x_eviction_policy`` (how long the weights' and x's lines stay
+    in the caches) change no bit: the batch's default tiles with them give the plain tiles' bits,
+    within the float64 bound."""
     import dataclasses
 
     from kvserve.kernels import gluon_w4a16 as g
 
     t = g.default_tiles(m, g.wgmma_available(torch.device("cuda")))
-    hinted = dataclasses.replace(t, w_cache_modifier=cache, w_eviction_policy=evict)
-    x, wt, y = _tiles_ok(m, 3 * t.block_n + 6, 1152, m + len(cache + evict), torch.bfloat16, hinted)
+    hinted = dataclasses.replace(t, w_eviction_policy=w_evict, x_eviction_policy=x_evict)
+    x, wt, y = _tiles_ok(m, 3 * t.block_n + 6, 1152, m + len(w_evict + x_evict), torch.bfloat16, hinted)
     assert torch.equal(g.w4a16_mma_matmul(x, wt, torch.full_like(y, float("nan")), t), y)
 
 
-@pytest.mark.parametrize("field,value", [("w_cache_modifier", ".ca"), ("w_eviction_policy", "evict_normal")])
-def test_gluon_w4a16_rejects_an_unknown_weight_load_hint(field, value):
-    """A weight-load hint other than those gl.load takes here is refused before any launch, naming them."""
+@pytest.mark.parametrize("field,value", [("w_eviction_policy", "evict_normal"), ("x_eviction_policy", "no_allocate")])
+def test_gluon_w4a16_rejects_an_unknown_eviction_policy(field, value):
+    """An eviction policy other than those gl.load takes is refused before any launch, naming them."""
     from kvserve.kernels import gluon_w4a16 as g
     from kvserve.kernels.triton_w4a16 import pack_w4a16
 
     (packed, block_scale, s2), gen = _quantized(64, 256, len(value))
     x = torch.randn(2, 256, generator=gen).to(torch.bfloat16)
-    with pytest.raises(ValueError, match="w_cache_modifier '' or '.cg', w_eviction_policy '', 'evict_first' or "
-                                         "'evict_last'"):
+    with pytest.raises(ValueError, match="w_eviction_policy and x_eviction_policy '', 'evict_first' or 'evict_last'"):
         g.w4a16_mma_matmul(x, pack_w4a16(packed, block_scale, s2), torch.empty(2, 64, dtype=torch.bfloat16),
                            g.GluonTiles(**{field: value}))
 
@@ -328,7 +328,7 @@ if wgmma:
     xcp = g._x_chunk_copy_layout(nw, x_gather)
 consts = dict(BLOCK_N=bn, BLOCK_M=bm, NUM_WARPS=nw, FP16=fp16, EVEN_K=even_k, PREFETCH=prefetch, X_SMEM=x_smem,
               PAIR_L=pair, SCALE_L=scales, CHUNK_L=chunk, ACT_L=acts, XCP_L=xcp, XS_L=xs, WGMMA=wgmma,
-              X_STAGES=x_stages, X_GATHER=x_gather, PDL=pdl, OVERLAP=overlap, W_CM='', W_EP='')
+              X_STAGES=x_stages, X_GATHER=x_gather, PDL=pdl, OVERLAP=overlap, W_EP='', X_EP='')
 aligned = ("x_ptr", "w_ptr", "s_ptr", "g_ptr", "y_ptr", "part_ptr", "lock_ptr", "stride_xm", "stride_wn", "stride_wp",
            "stride_ym")  # as the launcher specializes them (16-byte aligned tensors, strides multiples of 16)
 attrs = {(list(sig).index(a),): [["tt.divisibility", 16]] for a in aligned}
