@@ -97,8 +97,9 @@ def sweep_tiles(m: int) -> list:
     a tile; ``maxnreg`` 128 lets 4 programs of 4 warps share an SM; first the tiles with a chunk as
     one K = 64 dot, ``one_dot``). ``pdl`` tiles overlap each call with the one before (programmatic
     dependent launch): between back-to-back calls of this kernel that is the most they can overlap;
-    after the engine's other kernels (not launched with it) less. The default with its weights'
-    cache lines evicted first (x's last) follows, then the ``mma_overlap`` tiles."""
+    after the engine's other kernels (not launched with it) less. The default with the weights'
+    other eviction policies follows (where the default stages x in shared memory, the tiles that load
+    it from global memory with the weights evicted first next), then the ``mma_overlap`` tiles."""
     from kvserve.kernels import gluon_w4a16 as g
     from kvserve.kernels.triton_w4a16 import W4A16Tiles
 
@@ -108,12 +109,12 @@ def sweep_tiles(m: int) -> list:
     if m <= g.max_rows(torch.device(DEV), torch.bfloat16):  # (the dtype of the GPU runs)
         d = g.default_tiles(m, on_sm90)
         first = [dataclasses.replace(d, pdl=False)] + ([dataclasses.replace(d, pdl=True)] if on_sm90 else [])
-        # then the default with its weights evicted first (and x last; and, where the default has none,
-        # programmatic dependent launch)
-        first += [dataclasses.replace(d, w_eviction_policy="evict_first"),
-                  dataclasses.replace(d, w_eviction_policy="evict_first", x_eviction_policy="evict_last")]
-        if on_sm90 and not d.pdl:
-            first.append(dataclasses.replace(d, w_eviction_policy="evict_first", pdl=True))
+        # then the default with the weights' other eviction policies
+        first += [dataclasses.replace(d, w_eviction_policy=p) for p in ("", "evict_first", "evict_last")
+                  if p != d.w_eviction_policy]
+        if d.x_smem:  # and x from global memory, as up to 8 rows, with the weights evicted first (which keeps x cached)
+            first += [T(bn, d.block_m, 4, None, pf, False, split, pdl=on_sm90, w_eviction_policy="evict_first")
+                      for bn, pf, split in ((64, 3, 0), (64, 2, 0), (128, 1, None), (128, 2, None), (64, 3, None))]
     wgmma = []  # the warpgroup-MMA path (sm_90), x also gathered into MMA order by the kernel up to 64 rows
     if m > 8 and on_sm90:
         bm = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128

@@ -130,34 +130,31 @@ def test_gluon_w4a16_register_cap_changes_no_bit(m, cap):
 
 
 @gpu
-@pytest.mark.parametrize("m,w_evict,x_evict", [(1, "evict_first", ""), (8, "evict_first", "evict_last"),
-                                               (16, "evict_last", "evict_first"), (32, "evict_first", "evict_last"),
-                                               (64, "evict_first", ""), (128, "evict_first", "evict_last")])
-def test_gluon_w4a16_eviction_policies_change_no_bit(m, w_evict, x_evict):
-    """``GluonTiles.w_eviction_policy`` / ``x_eviction_policy`` (how long the weights' and x's lines stay
-    in the caches) change no bit: the batch's default tiles with them give the plain tiles' bits,
-    within the float64 bound."""
+@pytest.mark.parametrize("m,evict", [(1, "evict_first"), (8, "evict_last"), (16, ""), (32, "evict_first"),
+                                     (64, "evict_last"), (128, "")])
+def test_gluon_w4a16_eviction_policy_changes_no_bit(m, evict):
+    """``GluonTiles.w_eviction_policy`` (how long the weights' cache lines stay) changes no bit: the
+    batch's default tiles with another policy give the default's bits, within the float64 bound."""
     import dataclasses
 
     from kvserve.kernels import gluon_w4a16 as g
 
     t = g.default_tiles(m, g.wgmma_available(torch.device("cuda")))
-    hinted = dataclasses.replace(t, w_eviction_policy=w_evict, x_eviction_policy=x_evict)
-    x, wt, y = _tiles_ok(m, 3 * t.block_n + 6, 1152, m + len(w_evict + x_evict), torch.bfloat16, hinted)
+    x, wt, y = _tiles_ok(m, 3 * t.block_n + 6, 1152, m + len(evict), torch.bfloat16,
+                         dataclasses.replace(t, w_eviction_policy=evict))
     assert torch.equal(g.w4a16_mma_matmul(x, wt, torch.full_like(y, float("nan")), t), y)
 
 
-@pytest.mark.parametrize("field,value", [("w_eviction_policy", "evict_normal"), ("x_eviction_policy", "no_allocate")])
-def test_gluon_w4a16_rejects_an_unknown_eviction_policy(field, value):
+def test_gluon_w4a16_rejects_an_unknown_eviction_policy():
     """An eviction policy other than those gl.load takes is refused before any launch, naming them."""
     from kvserve.kernels import gluon_w4a16 as g
     from kvserve.kernels.triton_w4a16 import pack_w4a16
 
-    (packed, block_scale, s2), gen = _quantized(64, 256, len(value))
+    (packed, block_scale, s2), gen = _quantized(64, 256, 3)
     x = torch.randn(2, 256, generator=gen).to(torch.bfloat16)
-    with pytest.raises(ValueError, match="w_eviction_policy and x_eviction_policy '', 'evict_first' or 'evict_last'"):
+    with pytest.raises(ValueError, match="w_eviction_policy '', 'evict_first' or 'evict_last'"):
         g.w4a16_mma_matmul(x, pack_w4a16(packed, block_scale, s2), torch.empty(2, 64, dtype=torch.bfloat16),
-                           g.GluonTiles(**{field: value}))
+                           g.GluonTiles(w_eviction_policy="no_allocate"))
 
 
 @pytest.mark.parametrize("cap", [16, 256])
@@ -195,8 +192,9 @@ def test_gluon_w4a16_wgmma_27b_shapes(shape):
 
 @gpu
 @pytest.mark.parametrize("tiles", [(64, 8, 4, None, 3, False, 0, False), (128, 16, 4, None, 1, True, None, False),
-                                   (64, 32, 4, None, 2, False, None, True)],
-                         ids=["bm8-split", "bm16-x-smem", "wgmma-bm32-gather"])
+                                   (64, 32, 4, None, 2, False, None, True),
+                                   (128, 128, 8, None, 2, False, None, True, False, True)],
+                         ids=["bm8-split", "bm16-x-smem", "wgmma-bm32-gather", "wgmma-bm128-permuted-overlap"])
 def test_gluon_w4a16_pdl_chain_waits_for_its_input(tiles):
     """Programmatic dependent launch: three launches chained (each one's y the next one's x, the
     output buffers poisoned with NaN first), eager and inside a CUDA graph, give the bits of the same
@@ -204,7 +202,7 @@ def test_gluon_w4a16_pdl_chain_waits_for_its_input(tiles):
     from kvserve.kernels import gluon_w4a16 as g
     from kvserve.kernels.triton_w4a16 import pack_w4a16
 
-    bn, bm, nw, per_sm, prefetch, x_smem, split, wgmma = tiles
+    bn, bm, nw, per_sm, prefetch, x_smem, split, wgmma, gather, overlap = (*tiles, tiles[-1], False)[:10]
     if wgmma and not g.wgmma_available(torch.device("cuda")):
         pytest.skip("warpgroup MMAs need sm_90")
     if torch.cuda.get_device_capability() < (9, 0):
@@ -215,7 +213,8 @@ def test_gluon_w4a16_pdl_chain_waits_for_its_input(tiles):
     x = torch.randn(bm - 1, k, generator=gen).to(torch.bfloat16).cuda()
 
     def chain(pdl: bool, ys: list) -> None:
-        t = g.GluonTiles(bn, bm, nw, per_sm, prefetch, x_smem, split, wgmma=wgmma, x_gather=wgmma, pdl=pdl)
+        t = g.GluonTiles(bn, bm, nw, per_sm, prefetch, x_smem, split, wgmma=wgmma, x_gather=gather, pdl=pdl,
+                         mma_overlap=overlap)
         g.w4a16_mma_matmul(x, wt, ys[0], t)
         g.w4a16_mma_matmul(ys[0], wt, ys[1], t)
         g.w4a16_mma_matmul(ys[1], wt, ys[2], t)
@@ -328,7 +327,7 @@ if wgmma:
     xcp = g._x_chunk_copy_layout(nw, x_gather)
 consts = dict(BLOCK_N=bn, BLOCK_M=bm, NUM_WARPS=nw, FP16=fp16, EVEN_K=even_k, PREFETCH=prefetch, X_SMEM=x_smem,
               PAIR_L=pair, SCALE_L=scales, CHUNK_L=chunk, ACT_L=acts, XCP_L=xcp, XS_L=xs, WGMMA=wgmma,
-              X_STAGES=x_stages, X_GATHER=x_gather, PDL=pdl, OVERLAP=overlap, W_EP='', X_EP='')
+              X_STAGES=x_stages, X_GATHER=x_gather, PDL=pdl, OVERLAP=overlap, W_EP='')
 aligned = ("x_ptr", "w_ptr", "s_ptr", "g_ptr", "y_ptr", "part_ptr", "lock_ptr", "stride_xm", "stride_wn", "stride_wp",
            "stride_ym")  # as the launcher specializes them (16-byte aligned tensors, strides multiples of 16)
 attrs = {(list(sig).index(a),): [["tt.divisibility", 16]] for a in aligned}

@@ -108,10 +108,9 @@ class GluonTiles:
     x_gather: bool = False  # with wgmma and K % 128 == 0: x put in MMA order by the kernel's 4-byte copies
     pdl: bool = False  # programmatic dependent launch (sm_90): weights loaded before waiting for the last kernel
     maxnreg: int | None = None  # registers a thread at most (ptxas): fewer than it picks, more programs an SM
-    # the eviction policy (gl.load's: "", "evict_first", "evict_last") of the weights' loads (read once) and
-    # x's loads and copies (read by every program of a batch tile)
+    # the weights' loads' eviction policy (gl.load's: "", "evict_first", "evict_last"): the codes are read once,
+    # x and the partial tiles many times (evict_first: H200, 2-10% faster at batch 1-16 and 64-256)
     w_eviction_policy: str = ""
-    x_eviction_policy: str = ""
 
 
 def default_tiles(m: int, sm90: bool = False) -> GluonTiles:
@@ -124,15 +123,18 @@ def default_tiles(m: int, sm90: bool = False) -> GluonTiles:
     launch with programmatic dependent launch, and from 33 rows the warpgroup-MMA tiles take over:
     64 x 64 x 4 warps up to 64 rows, 128 x 128 x 8 warps (one or two batch tiles) with each pair's
     second wgmma left running into the next pair up to 256 (the 2026-12-03 sweeps of 822c4e9 and
-    2e5674d)."""
+    2e5674d), also with programmatic dependent launch; and there the weights' cache lines are evicted
+    first, except at 17-32 rows (1-3% slower there; the sweeps of b460294 and 72f1ed6)."""
+    evict = "evict_first" if sm90 else ""  # (measured on the H200 only)
     if sm90 and m > 32:
         if m <= 64:
-            return GluonTiles(64, 64, 4, prefetch=2, wgmma=True, x_stages=3)
-        return GluonTiles(128, 128, 8, prefetch=2, wgmma=True, x_stages=3, mma_overlap=True)
+            return GluonTiles(64, 64, 4, prefetch=2, wgmma=True, x_stages=3, pdl=True, w_eviction_policy=evict)
+        return GluonTiles(128, 128, 8, prefetch=2, wgmma=True, x_stages=3, mma_overlap=True, pdl=True,
+                          w_eviction_policy=evict)
     if m <= 8:
-        return GluonTiles(64, 8, 4, prefetch=3, split=0, pdl=sm90)
+        return GluonTiles(64, 8, 4, prefetch=3, split=0, pdl=sm90, w_eviction_policy=evict)
     if m <= 16:
-        return GluonTiles(128, 16, 4, prefetch=1, x_smem=True, pdl=sm90)
+        return GluonTiles(128, 16, 4, prefetch=1, x_smem=True, pdl=sm90, w_eviction_policy=evict)
     if m <= 32:
         return GluonTiles(128, 32, 4, prefetch=2, x_smem=True, pdl=sm90)
     return GluonTiles(64, 64, 4, prefetch=2, x_smem=True)
@@ -212,19 +214,11 @@ if gluon is not None:
     _PAIR_SCALES_FP16 = gl.constexpr(tw._scales_text(False, 2))
 
     @gluon.jit
-    def _load_x(x_cols, x_feat, k0, K, EVEN_K: gl.constexpr, X_EP: gl.constexpr):
-        """A chunk's activations [4 q, 16 f, BM] from feature k0 (zeros past K), eviction policy X_EP."""
+    def _load_x(x_cols, x_feat, k0, K, EVEN_K: gl.constexpr):
+        """A chunk's activations [4 q, 16 f, BM] from feature k0 (zeros past K)."""
         if EVEN_K:
-            return gl.load(x_cols + k0, eviction_policy=X_EP)
-        return gl.load(x_cols + k0, mask=x_feat + k0 < K, other=0.0, eviction_policy=X_EP)
-
-    @gluon.jit
-    def _cp_x(dst, src, X_EP: gl.constexpr):
-        """cp.async ``src`` into ``dst``, eviction policy X_EP ("" : none given)."""
-        if X_EP == "":
-            _cp_async(dst, src)
-        else:
-            _cp_async(dst, src, eviction_policy=X_EP)
+            return gl.load(x_cols + k0)
+        return gl.load(x_cols + k0, mask=x_feat + k0 < K, other=0.0)
 
     @gluon.jit
     def _steps_of_x(x, BLOCK_M: gl.constexpr, B: gl.constexpr):
@@ -295,9 +289,9 @@ if gluon is not None:
         return gl.convert_layout(gl.reshape(gl.permute(xs, [1, 0]), [4, 16, BLOCK_M]), ACT_L)
 
     @gluon.jit
-    def _copy_x(dst, x_from, k0, X_EP: gl.constexpr):
+    def _copy_x(dst, x_from, k0):
         """cp.async the pair of x [BM, 128] from feature k0 into ``dst`` (K a multiple of 128), one group."""
-        _cp_x(dst, x_from + k0, X_EP)
+        _cp_async(dst, x_from + k0)
         async_copy.commit_group()
 
     @gluon.jit
@@ -354,17 +348,17 @@ if gluon is not None:
                                       is_pure=False, pack=1)
 
     @gluon.jit
-    def _copy_x_chunks(x_smem, stage, x_from, k0, X_EP: gl.constexpr):
+    def _copy_x_chunks(x_smem, stage, x_from, k0):
         """cp.async the pair of permuted x from feature k0 into ``stage`` (its chunks: buffers 2 stage
         and 2 stage + 1, [BM, 64] each), one group."""
-        _cp_x(x_smem.index(2 * stage), x_from + k0, X_EP)
-        _cp_x(x_smem.index(2 * stage + 1), x_from + (k0 + 64), X_EP)
+        _cp_async(x_smem.index(2 * stage), x_from + k0)
+        _cp_async(x_smem.index(2 * stage + 1), x_from + (k0 + 64))
         async_copy.commit_group()
 
     @gluon.jit
     def _pair_wgmma(acc, a_prev, w, s, pair, p_begin, p_end, x_from, x_smem, X_STAGES: gl.constexpr,
                     OVERLAP: gl.constexpr, FP16: gl.constexpr, A: gl.constexpr, CHUNK_L: gl.constexpr,
-                    BLOCK_N: gl.constexpr, X_EP: gl.constexpr):
+                    BLOCK_N: gl.constexpr):
         """acc += pair ``pair`` by two K = 64 wgmmas: A the weights decoded in registers, B this pair's
         stage of permuted x in shared memory (copied AHEAD pairs ago; the copy AHEAD pairs ahead starts
         here, into the stage the pair AHEAD - X_STAGES ago read). The first chunk is decoded while the
@@ -379,8 +373,7 @@ if gluon is not None:
         async_copy.wait_group(AHEAD - 1)  # this pair's copy has landed, for this thread
         fence_async_shared()  # (the copy's generic-proxy writes before the wgmma's async-proxy reads)
         _cta_barrier()  # ... for every thread; and every warpgroup is done with the stage copied next
-        _copy_x_chunks(x_smem, (stage + AHEAD) % X_STAGES, x_from, gl.minimum(pair + AHEAD, p_end - 1) * 128,
-                       X_EP)
+        _copy_x_chunks(x_smem, (stage + AHEAD) % X_STAGES, x_from, gl.minimum(pair + AHEAD, p_end - 1) * 128)
         acc = warpgroup_mma(a0, x_smem.index(2 * stage).permute((1, 0)), acc, is_async=True)
         if OVERLAP:
             acc, a_prev = warpgroup_mma_wait(1, deps=[acc, a_prev])  # the last pair's second wgmma is done
@@ -398,25 +391,25 @@ if gluon is not None:
                    X_SMEM: gl.constexpr, WGMMA: gl.constexpr, X_STAGES: gl.constexpr, OVERLAP: gl.constexpr,
                    FP16: gl.constexpr,
                    A: gl.constexpr, B: gl.constexpr, CHUNK_L: gl.constexpr, BLOCK_N: gl.constexpr,
-                   BLOCK_M: gl.constexpr, XS_L: gl.constexpr, ACT_L: gl.constexpr, X_EP: gl.constexpr):
+                   BLOCK_M: gl.constexpr, XS_L: gl.constexpr, ACT_L: gl.constexpr):
         """acc += pair ``pair`` (codes w, scales s already in registers), its x from global memory or,
         with X_SMEM, from the stage copied a pair ago (the next pair's copy started here); with WGMMA
         by ``_pair_wgmma`` (``a_prev``: see there; passed through otherwise). Returns (acc, a_prev)."""
         if WGMMA:
             acc, a_prev = _pair_wgmma(acc, a_prev, w, s, pair, p_begin, p_end, x_from, x_smem, X_STAGES, OVERLAP,
-                                      FP16, A, CHUNK_L, BLOCK_N, X_EP)
+                                      FP16, A, CHUNK_L, BLOCK_N)
         else:
             if X_SMEM:
                 stage = (pair - p_begin) % 2
                 _cta_barrier()  # every warp has read the stage the next copy overwrites
-                _copy_x(x_smem.index(1 - stage), x_from, gl.minimum(pair + 1, p_end - 1) * 128, X_EP)
+                _copy_x(x_smem.index(1 - stage), x_from, gl.minimum(pair + 1, p_end - 1) * 128)
                 async_copy.wait_group(1)  # this pair's copy (the one before) has landed, for this thread
                 _cta_barrier()  # ... and for every thread
                 xa = _smem_x(x_smem.index(stage), 0, BLOCK_M, XS_L, ACT_L)
                 xb = _smem_x(x_smem.index(stage), 64, BLOCK_M, XS_L, ACT_L)
             else:
-                xa = _load_x(x_cols, x_feat, pair * 128, K, EVEN_K, X_EP)
-                xb = _load_x(x_cols, x_feat, pair * 128 + 64, K, EVEN_K, X_EP)
+                xa = _load_x(x_cols, x_feat, pair * 128, K, EVEN_K)
+                xb = _load_x(x_cols, x_feat, pair * 128 + 64, K, EVEN_K)
             acc = _pair_mma(acc, w, s, xa, xb, FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M)
         return acc, a_prev
 
@@ -494,7 +487,7 @@ if gluon is not None:
         EVEN_K: gl.constexpr, PREFETCH: gl.constexpr, X_SMEM: gl.constexpr, PAIR_L: gl.constexpr, SCALE_L: gl.constexpr,
         CHUNK_L: gl.constexpr,
         ACT_L: gl.constexpr, XCP_L: gl.constexpr, XS_L: gl.constexpr, WGMMA: gl.constexpr, X_STAGES: gl.constexpr,
-        X_GATHER: gl.constexpr, PDL: gl.constexpr, OVERLAP: gl.constexpr, W_EP: gl.constexpr, X_EP: gl.constexpr,
+        X_GATHER: gl.constexpr, PDL: gl.constexpr, OVERLAP: gl.constexpr, W_EP: gl.constexpr,
     ):
         """Program p takes units [p U / P, (p + 1) U / P) of U = tiles x pairs (tile-major). With WGMMA,
         x is the permuted copy (``mma_order``, K a multiple of 128) and X_STAGES of its pairs are staged;
@@ -574,11 +567,11 @@ if gluon is not None:
                 x_from = x_ptr + (gl.expand_dims(gl.minimum(m0 + cm, M - 1).to(gl.int64) * stride_xm, 1) + cf)
                 _cta_barrier()  # the last tile's wgmmas are done in every warpgroup
                 for st in gl.static_range(X_STAGES - 2 if OVERLAP else X_STAGES - 1):  # the first pairs' copies
-                    _copy_x_chunks(x_smem, st, x_from, gl.minimum(p_begin + st, p_end - 1) * 128, X_EP)
+                    _copy_x_chunks(x_smem, st, x_from, gl.minimum(p_begin + st, p_end - 1) * 128)
             elif X_SMEM:
                 x_from = x_ptr + (gl.expand_dims(gl.minimum(m0 + cm, M - 1).to(gl.int64) * stride_xm, 1) + cf)
                 _cta_barrier()  # the last tile's reads of both stages are done
-                _copy_x(x_smem.index(0), x_from, p_begin * 128, X_EP)
+                _copy_x(x_smem.index(0), x_from, p_begin * 128)
             blocks = (p_end - p_begin) // D
             pair = p_begin
             if not PDL:
@@ -587,37 +580,37 @@ if gluon is not None:
             for _ in range(blocks):
                 acc, a_prev = _pair_step(acc, a_prev, w0, s0, pair, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K,
                                          EVEN_K, X_SMEM, WGMMA, X_STAGES, OVERLAP, FP16, A, B, CHUNK_L, BLOCK_N,
-                                         BLOCK_M, XS_L, ACT_L, X_EP)
+                                         BLOCK_M, XS_L, ACT_L)
                 w0, s0 = _load_w(w_rows, s_rows, pair + D, p_last, stride_wp, stride_sp, W_EP)
                 acc, a_prev = _pair_step(acc, a_prev, w1, s1, pair + 1, p_begin, p_end, x_cols, x_feat, x_from,
                                          x_smem, K, EVEN_K, X_SMEM, WGMMA, X_STAGES, OVERLAP, FP16, A, B, CHUNK_L,
-                                         BLOCK_N, BLOCK_M, XS_L, ACT_L, X_EP)
+                                         BLOCK_N, BLOCK_M, XS_L, ACT_L)
                 w1, s1 = _load_w(w_rows, s_rows, pair + 1 + D, p_last, stride_wp, stride_sp, W_EP)
                 if D >= 3:
                     acc, a_prev = _pair_step(acc, a_prev, w2, s2, pair + 2, p_begin, p_end, x_cols, x_feat, x_from,
                                              x_smem, K, EVEN_K, X_SMEM, WGMMA, X_STAGES, OVERLAP, FP16, A, B, CHUNK_L,
-                                             BLOCK_N, BLOCK_M, XS_L, ACT_L, X_EP)
+                                             BLOCK_N, BLOCK_M, XS_L, ACT_L)
                     w2, s2 = _load_w(w_rows, s_rows, pair + 2 + D, p_last, stride_wp, stride_sp, W_EP)
                 if D >= 4:
                     acc, a_prev = _pair_step(acc, a_prev, w3, s3, pair + 3, p_begin, p_end, x_cols, x_feat, x_from,
                                              x_smem, K, EVEN_K, X_SMEM, WGMMA, X_STAGES, OVERLAP, FP16, A, B, CHUNK_L,
-                                             BLOCK_N, BLOCK_M, XS_L, ACT_L, X_EP)
+                                             BLOCK_N, BLOCK_M, XS_L, ACT_L)
                     w3, s3 = _load_w(w_rows, s_rows, pair + 3 + D, p_last, stride_wp, stride_sp, W_EP)
                 pair += D
             if pair < p_end:  # the last (p_end - p_begin) % D pairs, already loaded
                 acc, a_prev = _pair_step(acc, a_prev, w0, s0, pair, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K,
                                          EVEN_K, X_SMEM, WGMMA, X_STAGES, OVERLAP, FP16, A, B, CHUNK_L, BLOCK_N,
-                                         BLOCK_M, XS_L, ACT_L, X_EP)
+                                         BLOCK_M, XS_L, ACT_L)
             if D >= 3:
                 if pair + 1 < p_end:
                     acc, a_prev = _pair_step(acc, a_prev, w1, s1, pair + 1, p_begin, p_end, x_cols, x_feat, x_from,
                                              x_smem, K, EVEN_K, X_SMEM, WGMMA, X_STAGES, OVERLAP, FP16, A, B, CHUNK_L,
-                                             BLOCK_N, BLOCK_M, XS_L, ACT_L, X_EP)
+                                             BLOCK_N, BLOCK_M, XS_L, ACT_L)
             if D >= 4:
                 if pair + 2 < p_end:
                     acc, a_prev = _pair_step(acc, a_prev, w2, s2, pair + 2, p_begin, p_end, x_cols, x_feat, x_from,
                                              x_smem, K, EVEN_K, X_SMEM, WGMMA, X_STAGES, OVERLAP, FP16, A, B, CHUNK_L,
-                                             BLOCK_N, BLOCK_M, XS_L, ACT_L, X_EP)
+                                             BLOCK_N, BLOCK_M, XS_L, ACT_L)
             if OVERLAP:
                 acc, a_prev = warpgroup_mma_wait(0, deps=[acc, a_prev])  # the tile's last wgmma
             if X_SMEM or WGMMA:
@@ -640,13 +633,12 @@ def w4a16_mma_matmul(x2: torch.Tensor, weight: tw.W4A16Weight, y: torch.Tensor,
             or (t.wgmma and (t.num_warps % 4 or t.block_m < 4 * t.num_warps or t.x_stages not in (2, 3, 4)))
             or (t.mma_overlap and not (t.wgmma and t.x_stages >= 3))
             or (t.maxnreg is not None and not 32 <= t.maxnreg <= 255)
-            or t.w_eviction_policy not in ("", "evict_first", "evict_last")
-            or t.x_eviction_policy not in ("", "evict_first", "evict_last")):
+            or t.w_eviction_policy not in ("", "evict_first", "evict_last")):
         raise ValueError(f"w4a16_mma_matmul: {t} needs block_m in 8, 16, 32, 64, block_n a multiple of "
                          f"16 x num_warps, num_warps in 1, 2, 4, 8 and prefetch 1, 2 or 3 (x_smem: block_m >= 2 x "
                          f"num_warps; split None or >= 0; wgmma: block_m up to 256 and >= 4 x num_warps, num_warps "
                          f"4 or 8, x_stages 2, 3 or 4; mma_overlap: wgmma with x_stages 3 or 4; maxnreg None or "
-                         f"32-255; w_eviction_policy and x_eviction_policy '', 'evict_first' or 'evict_last')")
+                         f"32-255; w_eviction_policy '', 'evict_first' or 'evict_last')")
     n_pairs = weight.codes.shape[1]
     gather = t.wgmma and t.x_gather and k % 128 == 0
     if t.wgmma and not gather:
@@ -662,8 +654,7 @@ def w4a16_mma_matmul(x2: torch.Tensor, weight: tw.W4A16Weight, y: torch.Tensor,
                 EVEN_K=k % 128 == 0 or t.wgmma, PREFETCH=t.prefetch, X_SMEM=t.x_smem and k % 128 == 0 and not t.wgmma,
                 XCP_L=xcp_l, XS_L=xs_l, PAIR_L=pair_l, SCALE_L=scale_l, CHUNK_L=chunk_l, ACT_L=act_l,
                 WGMMA=t.wgmma, X_STAGES=t.x_stages, X_GATHER=gather, PDL=t.pdl, OVERLAP=t.mma_overlap,
-                W_EP=t.w_eviction_policy, X_EP=t.x_eviction_policy,
-                launch_pdl=t.pdl,
+                W_EP=t.w_eviction_policy, launch_pdl=t.pdl,
                 **({"maxnreg": t.maxnreg} if t.maxnreg else {}),
                 num_warps=t.num_warps)
     codes, scales = weight.codes.view(torch.int32), weight.scales.view(torch.int16)  # [N, pair, 16 / 4]
