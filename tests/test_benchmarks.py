@@ -98,7 +98,7 @@ def test_quant_sweep_grid_on_an_sm90_device(monkeypatch):
         assert grid[0] == dataclasses.replace(d, pdl=False) and grid[1] == dataclasses.replace(d, pdl=True), m
         assert len(grid) == len(set(map(repr, grid))), m
         assert d.wgmma == (m > 32) and d.pdl and d.mma_overlap == (m > 64) and d.block_m >= min(m, 128)
-        assert d.w_eviction_policy == ("" if 16 < m <= 32 else "evict_first"), m
+        assert d.w_eviction_policy == ("" if 8 < m <= 32 else "evict_first"), m
         assert {t.w_eviction_policy for t in grid[2:4]} == {"", "evict_first", "evict_last"} - {d.w_eviction_policy}
         assert all(t.wgmma or t.block_m in (8, 16, 32, 64) for t in grid if isinstance(t, g.GluonTiles))
 

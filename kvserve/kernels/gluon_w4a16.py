@@ -37,9 +37,13 @@ k order (``mma_order`` on the host, or the kernel's own 4-byte copies: ``x_gathe
 pairs of it in flight; a pair's second chunk is decoded while the first chunk's wgmma runs. With
 ``mma_overlap`` (the default from 65 rows) a pair's second wgmma runs on into the next pair.
 
-**Programmatic dependent launch** (``GluonTiles.pdl``, sm_90; the default up to 32 rows there): the
-kernel lets the next one in the stream launch at once, and a tile's first weights (which no earlier
-kernel writes) are loaded before ``griddepcontrol.wait``; x, y, the parts and the counters only after.
+**Programmatic dependent launch** (``GluonTiles.pdl``, sm_90; the default there): the kernel lets the
+next one in the stream launch at once, and a tile's first weights (which no earlier kernel writes)
+are loaded before ``griddepcontrol.wait``; x, y, the parts and the counters only after.
+
+**Eviction policy** (``GluonTiles.w_eviction_policy``): the weights are read once and x many times,
+so on sm_90 the default tiles of up to 8 and from 33 rows load the weights ``evict_first`` (a hint
+to L1 and L2). The gain comes from L2's side: loading them ``.cg`` (past L1 alone) changed nothing.
 
 CUDA only (``mma.sync`` needs sm_80; the inline PTX is the Triton kernel's). No interpreter: the
 Triton kernel is this kernel's CPU counterpart, and tests/test_gluon_w4a16.py holds this one to the
@@ -109,7 +113,7 @@ class GluonTiles:
     pdl: bool = False  # programmatic dependent launch (sm_90): weights loaded before waiting for the last kernel
     maxnreg: int | None = None  # registers a thread at most (ptxas): fewer than it picks, more programs an SM
     # the weights' loads' eviction policy (gl.load's: "", "evict_first", "evict_last"): the codes are read once,
-    # x and the partial tiles many times (evict_first: H200, 2-10% faster at batch 1-16 and 64-256)
+    # x and the partial tiles many times (evict_first: the H200's defaults up to 8 rows and from 33)
     w_eviction_policy: str = ""
 
 
@@ -124,7 +128,8 @@ def default_tiles(m: int, sm90: bool = False) -> GluonTiles:
     64 x 64 x 4 warps up to 64 rows, 128 x 128 x 8 warps (one or two batch tiles) with each pair's
     second wgmma left running into the next pair up to 256 (the 2026-12-03 sweeps of 822c4e9 and
     2e5674d), also with programmatic dependent launch; and there the weights' cache lines are evicted
-    first, except at 17-32 rows (1-3% slower there; the sweeps of b460294 and 72f1ed6)."""
+    first up to 8 rows and from 33 (the GEMM 8-10% faster at batch 8, 4-7% at 64-256; at 9-32 rows it
+    was even or slower, and the 27B's decode step at c16 1.8% slower: benchmarks/RESULTS.md)."""
     evict = "evict_first" if sm90 else ""  # (measured on the H200 only)
     if sm90 and m > 32:
         if m <= 64:
@@ -134,7 +139,7 @@ def default_tiles(m: int, sm90: bool = False) -> GluonTiles:
     if m <= 8:
         return GluonTiles(64, 8, 4, prefetch=3, split=0, pdl=sm90, w_eviction_policy=evict)
     if m <= 16:
-        return GluonTiles(128, 16, 4, prefetch=1, x_smem=True, pdl=sm90, w_eviction_policy=evict)
+        return GluonTiles(128, 16, 4, prefetch=1, x_smem=True, pdl=sm90)
     if m <= 32:
         return GluonTiles(128, 32, 4, prefetch=2, x_smem=True, pdl=sm90)
     return GluonTiles(64, 64, 4, prefetch=2, x_smem=True)
