@@ -98,8 +98,7 @@ def sweep_tiles(m: int) -> list:
     one K = 64 dot, ``one_dot``). ``pdl`` tiles overlap each call with the one before (programmatic
     dependent launch): between back-to-back calls of this kernel that is the most they can overlap;
     after the engine's other kernels (not launched with it) less. The default with the weights'
-    other eviction policies follows (where the default stages x in shared memory, the tiles that load
-    it from global memory with the weights evicted first next), then the ``mma_overlap`` tiles."""
+    other eviction policies follows, then the ``mma_overlap`` tiles."""
     from kvserve.kernels import gluon_w4a16 as g
     from kvserve.kernels.triton_w4a16 import W4A16Tiles
 
@@ -112,9 +111,6 @@ def sweep_tiles(m: int) -> list:
         # then the default with the weights' other eviction policies
         first += [dataclasses.replace(d, w_eviction_policy=p) for p in ("", "evict_first", "evict_last")
                   if p != d.w_eviction_policy]
-        if d.x_smem:  # and x from global memory, as up to 8 rows, with the weights evicted first (which keeps x cached)
-            first += [T(bn, d.block_m, 4, None, pf, False, split, pdl=on_sm90, w_eviction_policy="evict_first")
-                      for bn, pf, split in ((64, 3, 0), (64, 2, 0), (128, 1, None), (128, 2, None), (64, 3, None))]
     wgmma = []  # the warpgroup-MMA path (sm_90), x also gathered into MMA order by the kernel up to 64 rows
     if m > 8 and on_sm90:
         bm = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128

@@ -43,7 +43,7 @@ are loaded before ``griddepcontrol.wait``; x, y, the parts and the counters only
 
 **Eviction policy** (``GluonTiles.w_eviction_policy``): the weights are read once and x many times,
 so on sm_90 the default tiles of up to 8 and from 33 rows load the weights ``evict_first`` (a hint
-to L1 and L2). The gain comes from L2's side: loading them ``.cg`` (past L1 alone) changed nothing.
+to L1 and L2). The gain comes mostly from L2's side: loading them ``.cg`` (past L1 only) gained 0-2%.
 
 CUDA only (``mma.sync`` needs sm_80; the inline PTX is the Triton kernel's). No interpreter: the
 Triton kernel is this kernel's CPU counterpart, and tests/test_gluon_w4a16.py holds this one to the
