@@ -128,7 +128,7 @@ def default_tiles(m: int, sm90: bool = False) -> GluonTiles:
     64 x 64 x 4 warps up to 64 rows, 128 x 128 x 8 warps (one or two batch tiles) with each pair's
     second wgmma left running into the next pair up to 256 (the 2026-12-03 sweeps of 822c4e9 and
     2e5674d), also with programmatic dependent launch; and there the weights' cache lines are evicted
-    first up to 8 rows and from 33 (the GEMM 8-10% faster at batch 8, 4-7% at 64-256; at 9-32 rows it
+    first up to 8 rows and from 33 (the GEMM 8-10% faster at batch 8, 2-8% at 64-256; at 9-32 rows it
     was even or slower, and the 27B's decode step at c16 1.8% slower: benchmarks/RESULTS.md)."""
     evict = "evict_first" if sm90 else ""  # (measured on the H200 only)
     if sm90 and m > 32:
