@@ -33,7 +33,6 @@ TINY_QWEN3: dict[str, Any] = {
 }
 
 
-
 def median_ms(fn, reps: int, warmup: int = 1, cuda: bool = True) -> float:
     """Median milliseconds of ``reps`` eager calls of ``fn`` after ``warmup`` more: CUDA events around
     each call (synchronized before and after) with ``cuda``, else the wall clock."""
@@ -58,6 +57,7 @@ def median_ms(fn, reps: int, warmup: int = 1, cuda: bool = True) -> float:
             fn()
             times.append((time.perf_counter() - t) * 1e3)
     return sorted(times)[len(times) // 2]
+
 
 def _version(dist: str) -> str | None:
     try:

@@ -275,7 +275,7 @@ def bench_moe(cfg: dict, tokens: list[int], doc: dict, save) -> None:
     the batch routes to (codes, block and row scales) over the copy bandwidth measured here."""
     from kvserve.bench.throughput import measure_copy_bandwidth
     from kvserve.kernels.triton_w4a16 import w4a16_grouped_matmul
-    from kvserve.layers.quant_experts import NVFP4Experts, moe_align
+    from kvserve.layers.quant_experts import NVFP4Experts, expert_block_rows, moe_align
     from kvserve.models.qwen3_next import Experts
 
     e, h, i, k = cfg["experts"], cfg["hidden"], cfg["intermediate"], cfg["top_k"]
@@ -312,7 +312,7 @@ def bench_moe(cfg: dict, tokens: list[int], doc: dict, save) -> None:
             want = dense(x, top_idx, top_w)
             got = q0(x, top_idx, top_w)
         err = float((got.float() - want.float()).abs().max() / want.float().abs().max())
-        block_m = 16 if t * k <= 16 * e else 64  # (as NVFP4Experts.forward)
+        block_m = expert_block_rows(t * k, e)  # (as NVFP4Experts.forward)
         ids, block_expert = moe_align(top_idx, e, block_m)
         hb = torch.empty(t * k, 2 * i, dtype=DTYPE, device=DEV)
         a = torch.randn(t * k, i, generator=gen, device=DEV).to(DTYPE)

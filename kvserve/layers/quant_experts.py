@@ -25,6 +25,12 @@ if TYPE_CHECKING:
     from kvserve.kernels.triton_w4a16 import W4A16Weight
 
 
+def expert_block_rows(rows: int, num_experts: int) -> int:
+    """Rows a block of the grouped GEMMs takes for ``rows`` (token, expert) rows over ``num_experts``:
+    16 while most experts get a few rows (decode), 64 for prefill chunks."""
+    return 16 if rows <= 16 * num_experts else 64
+
+
 def moe_align(top_idx: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows ``t * k + j`` (token t's j-th expert) grouped by expert into blocks of ``block_m``: ids
     int32 [P] (-1 where a block is padding; an expert's rows ascending) and the expert of each block,
@@ -86,8 +92,7 @@ class NVFP4Experts(nn.Module):
 
         assert self.finalized, "NVFP4Experts.finalize() runs after loading"
         t, k = top_idx.shape
-        # 16-row blocks while most experts get a few rows (decode), 64 for prefill chunks
-        block_m = 16 if t * k <= 16 * self.num_experts else 64
+        block_m = expert_block_rows(t * k, self.num_experts)
         ids, block_expert = moe_align(top_idx, self.num_experts, block_m)
         h = torch.empty((t * k, 2 * self.intermediate), dtype=x.dtype, device=x.device)
         w4a16_grouped_matmul(x, self.packed["gate_up_proj"], ids, block_expert, block_m, k, h)
