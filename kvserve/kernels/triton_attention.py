@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvserve.kernels import pdl
 from kvserve.kernels.reference import CacheQuant
 from kvserve.kernels.triton_store import num_sms
 
@@ -127,8 +128,9 @@ def _attention_kernel(
     HEAD: tl.constexpr, HEAD_PAD: tl.constexpr,
     PAGE: tl.constexpr, TILE_N: tl.constexpr,
     FP8: tl.constexpr, FP8_E5M2: tl.constexpr, IEEE: tl.constexpr,
-    SPLIT: tl.constexpr,
+    SPLIT: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.start(PDL)
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -227,9 +229,10 @@ def _attention_kernel(
 @triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(
     out_ptr, part_acc_ptr, part_ml_ptr, stride_ot, stride_oh, num_heads, num_splits,
-    HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
     """out[t, h] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the splits of one row."""
+    pdl.start(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, SPLITS_PAD)
@@ -357,12 +360,12 @@ def paged_attention(
         HEAD=head, HEAD_PAD=head_pad, PAGE=page, TILE_N=tile_n,
         FP8=fp8, FP8_E5M2=fp8 and quant.fp8_dtype == torch.float8_e5m2, IEEE=query.dtype == torch.float32,
         SPLIT=num_splits > 1,
-        num_warps=num_warps, num_stages=num_stages, **launch_opts,
+        num_warps=num_warps, num_stages=num_stages, **launch_opts, **pdl.launch_options(query.device),
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
             out, part_acc, part_ml, out.stride(0), out.stride(1), num_heads, num_splits,
             HEAD=head, HEAD_PAD=head_pad, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
-            num_warps=4 if head_pad >= 128 else 2,
+            num_warps=4 if head_pad >= 128 else 2, **pdl.launch_options(query.device),
         )
     return out

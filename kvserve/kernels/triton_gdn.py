@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvserve.kernels import pdl
+
 CHUNK = 64  # tokens per chunk of a prefill step (the chunk-parallel rule: four 16-row blocks)
 
 
@@ -80,11 +82,12 @@ def _write_conv_state(state, x_ptr, start, n, c, c_ok, keep, stride_xt, W: tl.co
 def _conv1d_kernel(
     x_ptr, w_ptr, state_ptr, y_ptr, qsl_ptr, chunks_ptr, slots_ptr, has_state_ptr,
     num_channels, stride_xt, stride_yt, stride_ss, stride_sc,
-    W: tl.constexpr, BLOCK_C: tl.constexpr, CHUNKED: tl.constexpr, BT: tl.constexpr,
+    W: tl.constexpr, BLOCK_C: tl.constexpr, CHUNKED: tl.constexpr, BT: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (sequence, block of channels) walking the sequence's tokens, then its new state;
     CHUNKED: program (chunk of BT tokens, block of channels), outputs only (the states are written
     afterwards by ``_conv_state_kernel``: another program may still read the old one)."""
+    pdl.start(PDL)
     if CHUNKED:
         seq = tl.load(chunks_ptr + 2 * tl.program_id(0))
         t0 = tl.load(chunks_ptr + 2 * tl.program_id(0) + 1) * BT
@@ -136,14 +139,16 @@ def _conv_state_kernel(
 
 def causal_conv1d_varlen(
     x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, query_start_loc: torch.Tensor,
-    slots: torch.Tensor, has_state: torch.Tensor, plan: ChunkPlan | None = None,
+    slots: torch.Tensor, has_state: torch.Tensor, plan: ChunkPlan | None = None, block_c: int | None = None,
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """x [T, C] raw inputs of the step's sequences; weight [C, W]; conv_state [slots, C, W - 1]
     (updated in place); query_start_loc [B + 1], slots [B], has_state [B] int32. Returns y [T, C].
 
     ``plan`` (``plan_chunks``, prefill steps): all tokens in parallel, one program
     per (chunk, channel block), then the states; without it each program walks its sequence's tokens
-    (decodes)."""
+    (decodes). ``block_c`` (channels a program, a power of two; default min(128, C)) and ``num_warps``
+    set the tile."""
     T, C = x.shape
     W = weight.shape[-1]
     assert W >= 2 and conv_state.shape[1:] == (C, W - 1) and x.stride(1) == 1
@@ -151,13 +156,14 @@ def causal_conv1d_varlen(
     B = slots.shape[0]
     if B == 0 or T == 0:
         return y
-    block = min(128, triton.next_power_of_2(C))
+    block = block_c or min(128, triton.next_power_of_2(C))
     weight = weight.contiguous()
     grid = (plan.num_chunks if plan is not None else B, triton.cdiv(C, block))
     _conv1d_kernel[grid](
         x, weight, conv_state, y, query_start_loc, plan.chunks if plan is not None else slots, slots, has_state,
         C, x.stride(0), y.stride(0), conv_state.stride(0), conv_state.stride(1),
-        W=W, BLOCK_C=block, CHUNKED=plan is not None, BT=plan.chunk_size if plan is not None else 1, num_warps=4,
+        W=W, BLOCK_C=block, CHUNKED=plan is not None, BT=plan.chunk_size if plan is not None else 1,
+        num_warps=num_warps, **pdl.launch_options(x.device),
     )
     if plan is not None:
         _conv_state_kernel[(B, triton.cdiv(C, block))](
@@ -173,7 +179,9 @@ def _delta_rule_kernel(
     scale, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt,
     stride_ss, stride_sh, stride_sk, stride_ot, stride_oh,
     GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr, K_PAD: tl.constexpr, BLOCK_V: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.start(PDL)
     seq = tl.program_id(0)
     hv = tl.program_id(1)
     h = hv // GROUP
@@ -210,12 +218,13 @@ def _delta_rule_kernel(
 def gated_delta_rule_varlen(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
     dt_bias: torch.Tensor, ssm_state: torch.Tensor, query_start_loc: torch.Tensor, slots: torch.Tensor,
-    has_state: torch.Tensor, scale: float | None = None,
+    has_state: torch.Tensor, scale: float | None = None, block_v: int | None = None, num_warps: int = 4,
 ) -> torch.Tensor:
     """q, k [T, H, K]; v [T, HV, V]; a, b [T, HV] the raw ``in_proj_a`` / ``in_proj_b`` outputs (the
     gates are computed here, as ``gdn_reference.gdn_gates``); A_log, dt_bias [HV]; ssm_state [slots,
     HV, K, V] fp32 (updated in place); query_start_loc [B + 1], slots [B], has_state [B] int32. q and
-    k are L2-normalised here (q scaled by ``scale``, default K^-0.5). Returns o [T, HV, V] in q's dtype."""
+    k are L2-normalised here (q scaled by ``scale``, default K^-0.5). Returns o [T, HV, V] in q's dtype.
+    ``block_v`` (V columns a program, a power of two; default min(32, V)) and ``num_warps`` set the tile."""
     T, H, K = q.shape
     HV, V = v.shape[1:]
     assert HV % H == 0 and ssm_state.shape[1:] == (HV, K, V) and ssm_state.dtype == torch.float32
@@ -225,12 +234,13 @@ def gated_delta_rule_varlen(
     B = slots.shape[0]
     if B == 0 or T == 0:
         return o
-    block_v = min(32, triton.next_power_of_2(V))
+    block_v = block_v or min(32, triton.next_power_of_2(V))
     _delta_rule_kernel[(B, HV, triton.cdiv(V, block_v))](
         q, k, v, a, b, A_log, dt_bias, ssm_state, o, query_start_loc, slots, has_state,
         float(K**-0.5 if scale is None else scale),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
         ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2), o.stride(0), o.stride(1),
-        GROUP=HV // H, K=K, V=V, K_PAD=max(16, triton.next_power_of_2(K)), BLOCK_V=block_v, num_warps=4,
+        GROUP=HV // H, K=K, V=V, K_PAD=max(16, triton.next_power_of_2(K)), BLOCK_V=block_v, num_warps=num_warps,
+        **pdl.launch_options(q.device),
     )
     return o

@@ -16,16 +16,19 @@ import torch
 import triton
 import triton.language as tl
 
+from kvserve.kernels import pdl
+
 
 @triton.jit
 def _rmsnorm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     heads, stride_xt, stride_xh, stride_rt, stride_ot, stride_oh, stride_rot,
     n, eps,
-    HAS_RES: tl.constexpr, ZERO_CENTERED: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RES: tl.constexpr, ZERO_CENTERED: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     """One row: x[t, h, :n] (h < heads; heads = 1 for plain [T, n] rows); ZERO_CENTERED: ``(1 + w)``
     multiplied in fp32 before the one cast (``ZeroCenteredRMSNorm``)."""
+    pdl.start(PDL)
     pid = tl.program_id(0).to(tl.int64)
     t = pid // heads
     h = pid % heads
@@ -73,15 +76,16 @@ def rms_norm(
             heads, sxt, sxh, res.stride(0), sot, soh, res_out.stride(0),
             n, float(eps),
             HAS_RES=residual is not None, ZERO_CENTERED=zero_centered, BLOCK=block,
-            num_warps=max(1, min(8, block // 256)),
+            num_warps=max(1, min(8, block // 256)), **pdl.launch_options(x.device),
         )
     return (out, res_out) if residual is not None else out
 
 
 @triton.jit
 def _gated_rmsnorm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, num_rows, rows_per_t, stride_xt, stride_zt, stride_ot, n,
-                          eps, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+                          eps, BLOCK: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr):
     """ROWS rows (value heads) of ``w * norm(x) * silu(z)``: x[t, h, :n], z[t, h, :n] (heads contiguous)."""
+    pdl.start(PDL)
     r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     t, h = r // rows_per_t, r % rows_per_t
     ok = r < num_rows
@@ -106,7 +110,7 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
         rows = 4
         _gated_rmsnorm_kernel[(triton.cdiv(T * H, rows),)](
             x, z, weight.contiguous(), out, T * H, H, x.stride(0), z.stride(0), out.stride(0), n, float(eps),
-            BLOCK=triton.next_power_of_2(n), ROWS=rows, num_warps=4,
+            BLOCK=triton.next_power_of_2(n), ROWS=rows, num_warps=4, **pdl.launch_options(x.device),
         )
     return out
 
@@ -115,9 +119,10 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
 def _rotary_kernel(
     x_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr,
     heads, stride_xt, stride_xh, stride_ot, stride_oh, stride_c,
-    HALF: tl.constexpr, HALF_PAD: tl.constexpr, REST: tl.constexpr, REST_PAD: tl.constexpr,
+    HALF: tl.constexpr, HALF_PAD: tl.constexpr, REST: tl.constexpr, REST_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
     """Token t, all heads: neox (rotate-half) rotation of the first 2 * HALF dims; the rest copied."""
+    pdl.start(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     hs = tl.arange(0, 16)
@@ -158,14 +163,15 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: tor
             x, out, positions, cos, sin,
             heads, x.stride(0), x.stride(1), out.stride(0), out.stride(1), cos.stride(0),
             HALF=half, HALF_PAD=triton.next_power_of_2(half), REST=rest,
-            REST_PAD=triton.next_power_of_2(max(rest, 1)), num_warps=4,
+            REST_PAD=triton.next_power_of_2(max(rest, 1)), num_warps=4, **pdl.launch_options(x.device),
         )
     return out
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, n, stride_x, stride_o, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, n, stride_x, stride_o, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """out[t] = silu(gate) * up for x[t] = [gate | up]; each op rounded to the model dtype, as torch."""
+    pdl.start(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < n
@@ -184,13 +190,15 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((t, n), dtype=x.dtype, device=x.device)
     if t:
         block = min(1024, triton.next_power_of_2(n))
-        _silu_mul_kernel[(t, triton.cdiv(n, block))](x, out, n, x.stride(0), out.stride(0), BLOCK=block, num_warps=4)
+        _silu_mul_kernel[(t, triton.cdiv(n, block))](x, out, n, x.stride(0), out.stride(0), BLOCK=block, num_warps=4,
+                                                     **pdl.launch_options(x.device))
     return out
 
 
 @triton.jit
-def _fp8_static_quant_kernel(x_ptr, inv_ptr, out_ptr, n, BLOCK: tl.constexpr):
+def _fp8_static_quant_kernel(x_ptr, inv_ptr, out_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """out = e4m3(clamp(float32(x) * inv_scale, +-448)), NaN kept (torch's clamp)."""
+    pdl.start(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
     v = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32) * tl.load(inv_ptr)
@@ -206,5 +214,6 @@ def fp8_static_quant(x: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor:
     n = x.numel()
     if n:
         block = 1024
-        _fp8_static_quant_kernel[(triton.cdiv(n, block),)](x, inv_scale, out, n, BLOCK=block, num_warps=4)
+        _fp8_static_quant_kernel[(triton.cdiv(n, block),)](x, inv_scale, out, n, BLOCK=block, num_warps=4,
+                                                           **pdl.launch_options(x.device))
     return out.view(torch.float8_e4m3fn)

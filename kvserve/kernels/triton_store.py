@@ -18,6 +18,7 @@ import functools
 
 import torch
 
+from kvserve.kernels import pdl
 from kvserve.kernels.reference import CacheQuant
 
 try:  # importing this module must work wherever triton imports (no GPU needed)
@@ -54,9 +55,10 @@ if triton is not None:
         stride_cb, stride_ckv, stride_cs, stride_ch, stride_cd,
         block_size,
         BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-        FP8_FORMAT: tl.constexpr, FP8_MAX: tl.constexpr,
+        FP8_FORMAT: tl.constexpr, FP8_MAX: tl.constexpr, PDL: tl.constexpr,
     ):
         """Program (i, j): tokens [i * BLOCK_T, (i + 1) * BLOCK_T), heads [j * BLOCK_H, (j + 1) * BLOCK_H), K and V."""
+        pdl.start(PDL)
         t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         slot = tl.load(slot_ptr + t, mask=t < num_tokens, other=-1).to(tl.int64)
         valid = slot >= 0  # past the end or slot -1: nothing read, nothing written
@@ -180,5 +182,5 @@ def store_kv(
         *key.stride(), *value.stride(), *kv_cache.stride(),
         block_size,
         BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d, FP8_FORMAT=fp8_format, FP8_MAX=fp8_max,
-        num_warps=warps,
+        num_warps=warps, **pdl.launch_options(kv_cache.device),
     )
