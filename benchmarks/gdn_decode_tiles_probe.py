@@ -36,27 +36,30 @@ for B in [int(b) for b in sys.argv[1].split(",")]:
     x = torch.randn(B, C, device=dev, generator=g).to(bf)
     cw = torch.randn(C, W, device=dev, generator=g).to(bf)
     conv = torch.randn(B + 1, C, W - 1, device=dev, generator=g)
-    ref_o = triton_gdn.gated_delta_rule_varlen(q, k, v, a, b, A_log, dt_bias, ssm.clone(), qsl, slots, has)
-    ref_y = triton_gdn.causal_conv1d_varlen(x, cw, conv.clone(), qsl, slots, has)
+    ref_o = triton_gdn.gated_delta_rule_varlen(q, k, v, a, b, A_log, dt_bias, ssm.clone(), qsl, slots, has,
+                                               block_v=32, num_warps=4)
+    ref_y = triton_gdn.causal_conv1d_varlen(x, cw, conv.clone(), qsl, slots, has, block_c=128, num_warps=4)
+    ssm_t, conv_t = ssm.clone(), conv.clone()  # the timed runs update these in place
     rule_bytes = 2 * B * HV * K * V * 4
     conv_bytes = 2 * B * C * (W - 1) * 4 + 2 * B * C * 2
-    for bv in (16, 32, 64, 128):
-        for nw in (1, 2, 4, 8):
-            f = lambda: triton_gdn.gated_delta_rule_varlen(q, k, v, a, b, A_log, dt_bias, ssm, qsl, slots, has,  # noqa
+    for bv in (32, 64, 128):
+        for nw in (2, 4, 8):
+            f = lambda: triton_gdn.gated_delta_rule_varlen(q, k, v, a, b, A_log, dt_bias, ssm_t, qsl, slots, has,  # noqa
                                                            block_v=bv, num_warps=nw)
             try:
-                same = torch.equal(triton_gdn.gated_delta_rule_varlen(q, k, v, a, b, A_log, dt_bias, ssm.clone(), qsl,
-                                                                      slots, has, block_v=bv, num_warps=nw), ref_o)
+                o = triton_gdn.gated_delta_rule_varlen(q, k, v, a, b, A_log, dt_bias, ssm.clone(), qsl, slots, has,
+                                                       block_v=bv, num_warps=nw)
+                same = torch.allclose(o.float(), ref_o.float(), rtol=1e-2, atol=1e-3)
                 us = triton.testing.do_bench_cudagraph(f, rep=100) * 1e3
             except Exception as e:  # noqa: BLE001 (a tile that does not compile is a finding)
                 rows.append({"kernel": "delta_rule", "B": B, "block_v": bv, "num_warps": nw, "error": str(e)[:200]})
                 continue
-            rows.append({"kernel": "delta_rule", "B": B, "block_v": bv, "num_warps": nw, "us": us, "same_bits": same,
+            rows.append({"kernel": "delta_rule", "B": B, "block_v": bv, "num_warps": nw, "us": us, "close": same,
                          "copy_frac": rule_bytes / (us * 1e-6) / bw })
             print(rows[-1], flush=True)
-    for bc in (64, 128, 256, 512, 1024):
-        for nw in (1, 2, 4, 8):
-            f = lambda: triton_gdn.causal_conv1d_varlen(x, cw, conv, qsl, slots, has, block_c=bc, num_warps=nw)  # noqa
+    for bc in (128, 256):
+        for nw in (4, 8):
+            f = lambda: triton_gdn.causal_conv1d_varlen(x, cw, conv_t, qsl, slots, has, block_c=bc, num_warps=nw)  # noqa
             same = torch.equal(triton_gdn.causal_conv1d_varlen(x, cw, conv.clone(), qsl, slots, has, block_c=bc,
                                                                num_warps=nw), ref_y)
             us = triton.testing.do_bench_cudagraph(f, rep=100) * 1e3
