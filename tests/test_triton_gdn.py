@@ -77,6 +77,26 @@ def test_causal_conv1d_varlen_equals_reference(dtype, shape, W, chunked):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_gated_delta_rule_varlen_equals_reference(dtype, shape):
+    _check_delta_rule(dtype, shape, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_v", [64, 128])
+def test_gated_delta_rule_varlen_wide_tiles(dtype, block_v):
+    """The wider V tiles (the default from two programs an SM: ``delta_rule_tile``) at the 27B's head
+    dims, which this step is too small to get by default."""
+    _check_delta_rule(dtype, (1, 2, 128, 128), block_v)
+
+
+def test_delta_rule_tile_widens_when_the_programs_fill_the_gpu():
+    from kvserve.kernels.triton_gdn import delta_rule_tile
+
+    assert delta_rule_tile(32, 48, 128, 132) == delta_rule_tile(8, 48, 128, 132) == (64, 4)
+    assert delta_rule_tile(1, 48, 128, 132) == delta_rule_tile(2, 48, 128, 132) == (32, 4)  # 96 / 192 < 264
+    assert delta_rule_tile(64, 4, 32, 132) == (32, 4) and delta_rule_tile(64, 4, 16, 132) == (16, 4)
+
+
+def _check_delta_rule(dtype, shape, block_v):
     from kvserve.kernels.triton_gdn import gated_delta_rule_varlen
 
     H, HV, K, V = shape
@@ -93,7 +113,7 @@ def test_gated_delta_rule_varlen_equals_reference(dtype, shape):
     want, want_pool = _reference_rule(q, k, v, g, beta, pool, slots, has_state, qsl)
     dev_pool = pool.to(DEV)
     got = gated_delta_rule_varlen(q.to(DEV), k.to(DEV), v.to(DEV), a.to(DEV), b.to(DEV), A_log.to(DEV),
-                                  dt_bias.to(DEV), dev_pool, qsl_t, slots_t, has_t)
+                                  dt_bias.to(DEV), dev_pool, qsl_t, slots_t, has_t, block_v=block_v)
     tol = dict(atol=2e-5, rtol=2e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(got.float().cpu(), want.float(), **tol)
     torch.testing.assert_close(dev_pool.cpu(), want_pool, atol=2e-5, rtol=2e-5)
