@@ -1,12 +1,13 @@
 """Programmatic dependent launch (PDL, sm_90+) for the Triton kernels of a step.
 
-A decode step is ~700 small kernels back to back (in a CUDA graph), most of them a few microseconds
-long, so the gap between one kernel's last programs and the next one's first is a real share of
-the step. Launched with PDL, a kernel's programs may start while the previous kernel's last ones
-still run: each kernel here first lets the next one launch (``griddepcontrol.launch_dependents``),
-then waits for the previous one to finish and its writes to be visible (``griddepcontrol.wait``),
-before any load or store. So no kernel touches memory early, and the order of effects is the
-stream's, as without PDL; what overlaps is the launch and the programs' start.
+A decode step is hundreds of kernels back to back in a CUDA graph (~980 for the 27B hybrid), most
+of them a few microseconds long, so the gap between one kernel's last programs and the next one's
+first is a real share of the step. Launched with PDL, a kernel's programs may start while the
+previous kernel's last ones still run: each kernel here first lets the next one launch
+(``griddepcontrol.launch_dependents``), then waits for the previous one to finish and its writes
+to be visible (``griddepcontrol.wait``), before any load or store. So no kernel touches memory
+early, and the order of effects is the stream's, as without PDL; what overlaps is the launch and
+the programs' start (H200, 27B MIXED_PRECISION decode step: -4.3% at c32, -4.0% at c1).
 
 A kernel takes ``PDL: tl.constexpr`` and calls ``start(PDL)`` first; its launch passes
 ``**launch_options(device)``. Off the GPU (the interpreter), before sm_90, with a triton without

@@ -216,12 +216,12 @@ def _delta_rule_kernel(
     tl.store(s_ptrs, S, mask=s_mask)
 
 
-def delta_rule_tile(num_seqs: int, num_v_heads: int, v: int, num_sms: int) -> tuple[int, int]:
+def delta_rule_tile(num_seqs: int, num_v_heads: int, v: int, sms: int) -> tuple[int, int]:
     """(block_v, num_warps) of the delta rule: 64 V columns and 4 warps a program while that still
     makes two programs an SM, else 32. H200, 27B shape (48 value heads of 128): 32 sequences 59 us
     (80% of copy bandwidth) against 68 with 32 columns, 64 sequences 112 against 133; 8 even; one
     sequence 5.4 against 4.8 (96 programs for 132 SMs)."""
-    if v >= 64 and num_seqs * num_v_heads * triton.cdiv(v, 64) >= 2 * num_sms:
+    if v >= 64 and num_seqs * num_v_heads * triton.cdiv(v, 64) >= 2 * sms:
         return 64, 4
     return min(32, triton.next_power_of_2(v)), 4
 
