@@ -1,7 +1,7 @@
 """The fused Triton layer kernels (kernels/triton_layers.py) against their torch twins in layers/:
 RMSNorm and the zero-centred RMSNorm (plain, with residual, per head over a strided q view), rotary
-(full and partial), SiLU-and-mul and the FP8 static activation quantisation, bf16 and fp16 (fp32 for
-the function), on fresh random inputs. CPU: interpreter."""
+(full and partial), SiLU-and-mul, the sigmoid output gate and the FP8 static activation
+quantisation, bf16 and fp16 (fp32 for the function), on fresh random inputs. CPU: interpreter."""
 
 from __future__ import annotations
 
@@ -152,6 +152,23 @@ def test_silu_and_mul_matches_torch(dtype, n):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(5, 24, 256), (3, 4, 48), (1, 2, 1000)])
+def test_sigmoid_gate_matches_torch(dtype, shape):
+    """The gated attention's output gate (Qwen3-Next / Qwen3.5 ``o_proj(attn * sigmoid(gate))``), the
+    gate read through the strided [query | gate] view of each head as the model makes it (several
+    column blocks at 24 x 256, a partial one at 2 x 1000)."""
+    from kvserve.kernels.triton_layers import sigmoid_gate
+
+    t, heads, head = shape
+    g = torch.Generator().manual_seed(heads * head)
+    qg = (torch.randn(t, heads, 2 * head, generator=g) * 3).to(DEV, dtype)
+    gate = qg.chunk(2, dim=-1)[1]
+    x = torch.randn(t, heads * head, generator=g).to(DEV, dtype)
+    got = sigmoid_gate(x, gate)
+    _close(got, x * torch.sigmoid(gate.reshape(t, heads * head)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 5120), (37, 96), (3, 1500)])
 def test_fp8_static_quant_equals_torch_bit_for_bit(dtype, shape):
     """The FP8 layers' activation quantisation against ``quantize_fp8_static`` (vLLM's formula): every
@@ -207,3 +224,25 @@ def test_fused_layers_in_the_engine(make_tiny_model, one_thread):
         assert all(fused) == (backend == "triton") and len(fused) > 3
         outs[backend] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp, use_tqdm=False)]
     assert outs["triton"] == outs["reference"]
+
+
+def test_fused_output_gate_in_a_hybrid_engine(make_tiny_model, one_thread):
+    """bf16 Qwen3.5 model, triton backend: the runner switches the gated attention's fused output gate
+    on, and what it hands ``o_proj`` (the same prompt's prefill, prefix caching off) matches the torch
+    gate's to a rounding."""
+    from kvserve import LLM, SamplingParams
+    from kvserve.models.qwen3_next import GatedAttentionBlock
+
+    llm = LLM(str(make_tiny_model("qwen3_5")), dtype="bfloat16", attention_backend="triton", kv_cache_memory=1 << 22,
+              max_num_seqs=2, enable_prefix_caching=False)
+    block = next(m for m in llm.llm_engine.runner.model.modules() if isinstance(m, GatedAttentionBlock))
+    assert block.fused
+    seen = []
+    block.o_proj.register_forward_pre_hook(lambda mod, args: seen.append(args[0].detach().clone()))
+    sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    prompt = {"prompt_token_ids": list(range(3, 40))}
+    llm.generate([prompt], sp, use_tqdm=False)
+    block.fused = False
+    llm.generate([prompt], sp, use_tqdm=False)
+    assert len(seen) == 2 and seen[0].shape[0] == 37
+    _close(seen[0], seen[1])

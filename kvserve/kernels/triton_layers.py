@@ -1,6 +1,6 @@
 """Triton kernels for the small per-layer ops of a decode step: (residual add +) RMSNorm, the gated
-RMSNorm of the GDN output, rotary embedding, SiLU-and-mul and the FP8 layers' static activation
-quantisation, each one launch instead of 3-10 torch kernels.
+RMSNorm of the GDN output, rotary embedding, SiLU-and-mul, the gated attention's sigmoid output gate
+and the FP8 layers' static activation quantisation, each one launch instead of 3-10 torch kernels.
 
 Each reproduces its torch twin in ``layers/`` rounding for rounding (the model-dtype add, fp32
 statistics, a rounding to the model dtype before the weight multiply (none for the zero-centred
@@ -192,6 +192,40 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         block = min(1024, triton.next_power_of_2(n))
         _silu_mul_kernel[(t, triton.cdiv(n, block))](x, out, n, x.stride(0), out.stride(0), BLOCK=block, num_warps=4,
                                                      **pdl.launch_options(x.device))
+    return out
+
+
+@triton.jit
+def _sigmoid_gate_kernel(x_ptr, g_ptr, out_ptr, n, head, stride_xt, stride_gt, stride_gh, stride_ot,
+                         BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """out[t] = x[t] * sigmoid(gate[t]) over token t's n = heads x head features, gate[t, h, d] read
+    through its strides; the sigmoid and the product each rounded to the model dtype, as torch."""
+    pdl.start(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = cols < n
+    h = cols // head
+    dt = x_ptr.dtype.element_ty
+    g = tl.load(g_ptr + t * stride_gt + h * stride_gh + (cols - h * head), mask=m, other=0.0).to(tl.float32)
+    sig = (1.0 / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+    x = tl.load(x_ptr + t * stride_xt + cols, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_ot + cols, (x * sig).to(dt), mask=m)
+
+
+def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """``x * torch.sigmoid(gate.reshape(x.shape))`` for x [T, H * D] (rows contiguous) and the gate
+    [T, H, D] as a strided view (last dim contiguous), e.g. the query's gate half of a gated attention
+    projection: one launch instead of a copy, the sigmoid and the product."""
+    t, n = x.shape
+    heads, head = gate.shape[1:]
+    assert gate.shape[0] == t and heads * head == n and x.stride(1) == 1 and gate.stride(2) == 1
+    out = torch.empty((t, n), dtype=x.dtype, device=x.device)
+    if t:
+        block = min(1024, triton.next_power_of_2(n))
+        _sigmoid_gate_kernel[(t, triton.cdiv(n, block))](
+            x, gate, out, n, head, x.stride(0), gate.stride(0), gate.stride(1), out.stride(0), BLOCK=block,
+            num_warps=4, **pdl.launch_options(x.device),
+        )
     return out
 
 

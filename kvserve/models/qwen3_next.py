@@ -145,6 +145,7 @@ class GatedAttentionBlock(nn.Module):
         self.k_norm = ZeroCenteredRMSNorm(self.head_size, cfg.rms_norm_eps)
         self.rotary_emb = rope
         self.attn = Attention(self.num_heads, self.head_size, self.num_kv_heads, self.head_size**-0.5, layer_idx)
+        self.fused = False  # the output gate in one Triton kernel (kernels/triton_layers.py), set by the runner
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
@@ -155,6 +156,10 @@ class GatedAttentionBlock(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_size)
         q, k = self.rotary_emb(positions, q, k)
         out = self.attn(q, k, v, meta)
+        if self.fused:
+            from kvserve.kernels.triton_layers import sigmoid_gate
+
+            return self.o_proj(sigmoid_gate(out.reshape(t, self.q_size), gate))
         return self.o_proj(out * torch.sigmoid(gate.reshape(t, self.q_size)))
 
 
