@@ -1,7 +1,7 @@
 """Programmatic dependent launch for the step's Triton kernels (kernels/pdl.py): when it is on, the
 compiled kernels' first instructions, and on an sm_90 GPU a decode layer's chain of kernels (norms,
-quantiser, SiLU-and-mul, conv1d, delta rule, gated norm, rotary, KV store, split-KV attention)
-giving the same bits with it as without, eagerly and replayed from a CUDA graph."""
+quantiser, SiLU-and-mul, conv1d, delta rule, gated norm, rotary, KV store, split-KV attention,
+output gate) giving the same bits with it as without, eagerly and replayed from a CUDA graph."""
 
 from __future__ import annotations
 
@@ -134,7 +134,8 @@ def _layer(t: dict) -> list[torch.Tensor]:
     triton_store.store_kv(rot, g, t["kv_cache"], t["slot_mapping"])
     attn = triton_attention.paged_attention(rot, t["kv_cache"], t["block_tables"], t["qsl"], t["seq_lens"], 0.125, 1,
                                             48, num_splits=2)
-    return [n, r, xq.view(torch.uint8), mixed, y, o, g, rot, attn]
+    gated = triton_layers.sigmoid_gate(attn.reshape(T, 128), n[:, :256].view(T, 2, 128).chunk(2, dim=-1)[1])
+    return [n, r, xq.view(torch.uint8), mixed, y, o, g, rot, attn, gated]
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and pdl.supported(torch.device("cuda", 0))),
