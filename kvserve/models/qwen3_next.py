@@ -159,7 +159,7 @@ class GatedAttentionBlock(nn.Module):
         if self.fused:
             from kvserve.kernels.triton_layers import sigmoid_gate
 
-            return self.o_proj(sigmoid_gate(out.reshape(t, self.q_size), gate))
+            return self.o_proj(sigmoid_gate(out, gate))  # out: [T, Hq * D] (Attention.forward)
         return self.o_proj(out * torch.sigmoid(gate.reshape(t, self.q_size)))
 
 
