@@ -134,24 +134,14 @@ class FP8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         assert self.finalized, "FP8Linear.finalize() runs after loading"
         x2 = x.reshape(-1, self.in_features)
-        if x2.is_cuda:
-            from kvserve.kernels import triton_fp8_linear
-
-            if triton_fp8_linear.takes(x2):  # decode batches: x quantized inside one Triton GEMM
-                y = triton_fp8_linear.fp8_linear(x2.contiguous(), self.weight, self.inv_input_scale,
-                                                 self.input_scale, self.weight_scale)
-                return self._finish(y, x)
+        if x2.is_cuda:  # one launch (kernels/triton_layers.py), bit-equal to the torch formula
             from kvserve.kernels.triton_layers import fp8_static_quant
 
-            xq = fp8_static_quant(x2.contiguous(), self.inv_input_scale)  # one launch, bit-equal to torch's
+            xq = fp8_static_quant(x2.contiguous(), self.inv_input_scale)
         else:
             xq = quantize_fp8_static(x2, self.inv_input_scale)
         y = torch._scaled_mm(xq, self.weight.t(),
                              scale_a=self.input_scale, scale_b=self.weight_scale, out_dtype=x.dtype)
-        return self._finish(y, x)
-
-    def _finish(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """The bias added, x's leading shape restored."""
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
