@@ -124,7 +124,7 @@ def sweep_tiles(m: int) -> list:
         wgmma = [t for t in overlap + wgmma if t not in first]
     if m <= g.MAX_M and g.available(torch.device(DEV)):  # the Gluon kernel's grid: stream-K, then split-K
         bm = 8 if m <= 8 else 16 if m <= 16 else 32 if m <= 32 else 64
-        grid = [T(bn, bm, w, None, pf, xs, s) for bn, w in ((64, 4), (16, 1), (32, 2), (128, 4))
+        grid = [T(bn, bm, w, None, pf, xs, s, x_stages=pf + 1) for bn, w in ((64, 4), (16, 1), (32, 2), (128, 4))
                 for pf in (1, 2, 3) for xs in (True, False) for s in (None, 0) if not (xs and 2 * w > bm)]
         return first + wgmma + [t for t in grid if t not in first]
     gluon = []  # x through shared memory lets the Gluon kernel take 64-row batch tiles without spilling

@@ -61,18 +61,20 @@ def _tiles_ok(m: int, n: int, k: int, seed: int, dtype: torch.dtype, tiles) -> t
                                    (64, 64, 4, 1, 2, True, None), (16, 8, 1, 5, 3, True, None),
                                    (64, 8, 4, None, 2, False, 0), (16, 8, 1, None, 3, False, 3),
                                    (32, 16, 2, None, 2, False, 1), (16, 32, 1, None, 2, False, 40),
-                                   (64, 8, 4, None, 1, False, 0)],
+                                   (64, 8, 4, None, 1, False, 0), (128, 16, 4, 2, 1, True, None, 2),
+                                   (128, 32, 4, None, 2, True, None, 2), (32, 16, 2, 3, 3, True, 0, 4),
+                                   (128, 32, 4, None, 2, True, 2, 3)],
                          ids=lambda t: "x".join(map(str, t)))
 def test_gluon_w4a16_tiles_and_stream_k(tiles):
-    """Every batch tile, warp count and prefetch depth, x from global or shared memory, one to five
-    programs an SM (stream-K: parts summed across programs) or S programs a tile (split-K: 1, 3, as
-    many as fill a wave, more than the tile's 10 pairs): within the bound, the same bits on a second
-    call, the tile counters back at zero."""
+    """Every batch tile, warp count and prefetch depth, x from global or shared memory (2 stages, two
+    barriers a pair; 3 or 4, one), one to five programs an SM (stream-K: parts summed across programs)
+    or S programs a tile (split-K: 1, 2, 3, as many as fill a wave, more than the tile's 10 pairs):
+    within the bound, the same bits on a second call, the tile counters back at zero."""
     from kvserve.kernels import gluon_w4a16 as g
 
-    bn, bm, nw, per_sm, prefetch, x_smem, split = tiles
+    bn, bm, nw, per_sm, prefetch, x_smem, split, x_stages = (*tiles, tiles[4] + 1)[:8]  # (x stages: a buffer each)
     m, n, k = 2 * bm - 3, 3 * bn + 5, 1152 + (0 if x_smem else 64)  # (x_smem: K a multiple of 128)
-    t = g.GluonTiles(bn, bm, nw, per_sm, prefetch, x_smem, split)
+    t = g.GluonTiles(bn, bm, nw, per_sm, prefetch, x_smem, split, x_stages=x_stages)
     x, wt, y = _tiles_ok(m, n, k, bn + bm + nw, torch.bfloat16, t)
     with pytest.raises(ValueError, match="block_m in 8, 16, 32, 64"):
         g.w4a16_mma_matmul(x, wt, y, g.GluonTiles(bn, 24, nw))
@@ -80,6 +82,9 @@ def test_gluon_w4a16_tiles_and_stream_k(tiles):
         g.w4a16_mma_matmul(x, wt, y, g.GluonTiles(bn, bm, nw, prefetch=4))
     with pytest.raises(ValueError, match="split None or >= 0"):
         g.w4a16_mma_matmul(x, wt, y, g.GluonTiles(bn, bm, nw, split=-1))
+    if x_smem:
+        with pytest.raises(ValueError, match=r"x_smem: x_stages 2 or prefetch \+ 1"):
+            g.w4a16_mma_matmul(x, wt, y, g.GluonTiles(bn, bm, nw, prefetch=2, x_smem=True, x_stages=4))
 
 
 @gpu
@@ -308,7 +313,7 @@ def test_w4a16_linear_dispatch_and_cuda_graph(monkeypatch):
 
 
 _COMPILE = """
-import json, sys
+import json, re, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
@@ -338,6 +343,21 @@ src = GluonASTSource(fn=g._w4a16_mma_kernel, signature=sig, constexprs=consts, a
 k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                    options={"num_warps": nw, **({"maxnreg": maxnreg} if maxnreg else {})})
 ptx = k.asm["ptx"]
+
+
+def copy_bar_read(ptx):
+    # the most CTA barriers between an x copy (its commit) and the next shared-memory read
+    most, count = 0, None
+    for line in ptx.splitlines():
+        if "cp.async.commit_group" in line:
+            count = 0
+        elif count is not None and re.search(r"\\b(?:bar|barrier)\\.sync\\b", line):
+            count += 1
+        elif count is not None and "ld.shared" in line:
+            most, count = max(most, count), None
+    return most
+
+
 print(json.dumps({"mma": ptx.count("mma.sync.aligned.m16n8k16"), "ld_shared": ptx.count("ld.shared"),
                   "wgmma": ptx.count("wgmma.mma_async.sync.aligned.m64n%dk16.f32" % bm),
                   "gdc": [ptx.count("griddepcontrol.wait"), ptx.count("griddepcontrol.launch_dependents")],
@@ -345,6 +365,7 @@ print(json.dumps({"mma": ptx.count("mma.sync.aligned.m16n8k16"), "ld_shared": pt
                   "cp_async_4": sum(1 for line in ptx.splitlines()
                                     if "cp.async.ca.shared.global" in line and line.rstrip().endswith("0x4, 0x4;")),
                   "st_shared": ptx.count("st.shared"), "shared": k.metadata.shared,
+                  "copy_bar_read": copy_bar_read(ptx),
                   "maxnreg": [int(line.split()[-1]) for line in ptx.splitlines() if line.startswith(".maxnreg")],
                   "local": ptx.count("ld.local") + ptx.count("st.local")}))
 """
@@ -363,16 +384,20 @@ print(json.dumps({"mma": ptx.count("mma.sync.aligned.m16n8k16"), "ld_shared": pt
                                      (128, 128, 8, False, True, 2, False, True, 3, False, False, True),
                                      (64, 64, 4, True, True, 1, False, True, 4, True, True, True),
                                      (64, 8, 4, False, True, 3, False, False, 2, False, True, False, 80),
-                                     (128, 32, 4, False, True, 2, True, False, 2, False, True, False, 168)],
+                                     (128, 32, 4, False, True, 2, True, False, 2, False, True, False, 168),
+                                     (128, 32, 4, False, True, 2, True, False, 3, False, True),
+                                     (128, 16, 4, True, True, 3, True, False, 4, False, True)],
                          ids=["bf16-bm8-prefetch2", "fp16-bm32-oddK-prefetch2", "bf16-bm16-prefetch3",
                               "bf16-bm32-x-smem-pdl", "bf16-default-bm8-pdl", "bf16-wgmma-bm128", "fp16-wgmma-bm64-8warps",
                               "bf16-wgmma-bm32-gather-pdl", "bf16-default-wgmma-bm64", "bf16-wgmma-bm128-8warps",
                               "bf16-default-wgmma-bm128-overlap", "fp16-wgmma-bm64-gather-pdl-overlap",
-                              "bf16-default-bm8-pdl-maxnreg-80", "bf16-default-bm32-pdl-maxnreg-168"])
+                              "bf16-default-bm8-pdl-maxnreg-80", "bf16-default-bm32-pdl-maxnreg-168",
+                              "bf16-bm32-x-smem-3-stages-pdl", "fp16-bm16-x-smem-4-stages-pdl"])
 def test_gluon_w4a16_compiles_for_sm90(variant):
     """The kernel compiles to sm_90 with this machine's triton: mma.sync (the unrolled loop's and its
     tail's), no spills, and shared memory only to hand the tile counter's value (one atomic) to the
-    program's threads, or with ``x_smem`` for x's two stages; the weights are never staged there.
+    program's threads, or with ``x_smem`` for x's stages (with a buffer a stage, no CTA barrier between
+    a copy and the next reads: one barrier a pair); the weights are never staged there.
     The default tiles (batch 8; wgmma 64 and 128 rows) are among them. With ``wgmma``: m64nBMk16
     wgmmas (four a chunk, two chunks a pair, for each 64 rows of a warpgroup), A from registers (no
     shared-memory round trip: the one ld.shared is the counter's), x's stages the only shared memory
@@ -406,8 +431,13 @@ def test_gluon_w4a16_compiles_for_sm90(variant):
         else:  # the permuted copy: 16-byte pieces only
             assert got["cp_async"] > 0 and got["cp_async_4"] == 0
         assert 2 * x_stages * bm * 64 * 2 <= got["shared"] <= 2 * x_stages * bm * 64 * 2 + 16
-    elif variant[6]:  # x_smem: two stages of x [BM, 128] copied in by cp.async, read back, no weights staged
-        assert got["cp_async"] >= 1 and got["ld_shared"] > 1 and 2 * bm * 128 * 2 <= got["shared"] <= 2 * bm * 256 + 16
+    elif variant[6]:  # x_smem: x_stages stages of x [BM, 128] copied in by cp.async, read back, no weights staged
+        stages = variant[8]
+        assert got["cp_async"] >= 1 and got["ld_shared"] > 1
+        assert stages * bm * 256 <= got["shared"] <= stages * bm * 256 + 16
+        # a buffer a stage (x_stages = prefetch + 1): the one barrier a pair comes before the next copy, none
+        # between it and the reads; two stages of one buffer (prefetch 2 or 3): a barrier between them
+        assert got["copy_bar_read"] == (0 if stages == variant[5] + 1 else 1)
     else:
         assert got["ld_shared"] == 1 and got["st_shared"] == 1 and got["shared"] <= 16
     assert got["local"] == 0

@@ -102,10 +102,11 @@ class GluonTiles:
     num_warps: int = 4
     programs_per_sm: int | None = None
     prefetch: int = 1  # pairs of chunks whose weights are loaded ahead of the one multiplied (1-3)
-    x_smem: bool = False  # x through shared memory (cp.async a pair ahead, one copy for all warps; K % 128 == 0)
+    x_smem: bool = False  # x through shared memory (cp.async x_stages - 1 pairs ahead, one copy for all warps;
+    # K % 128 == 0): x_stages = prefetch + 1 buffers, one CTA barrier a pair; or 2 stages of one buffer, two
     split: int | None = None
     wgmma: bool = False  # sm_90 warpgroup MMAs (K = 64, x permuted by ``mma_order`` as B in shared memory)
-    x_stages: int = 3  # with wgmma: pairs of x in shared memory (x_stages - 1 copies in flight)
+    x_stages: int = 3  # with wgmma (2-4) or x_smem (2 or prefetch + 1): pairs of x in shared memory
     # with wgmma and x_stages >= 3: a pair's second wgmma runs on while the next pair's first chunk is
     # decoded and multiplied (x copies then x_stages - 2 pairs ahead)
     mma_overlap: bool = False
@@ -139,10 +140,10 @@ def default_tiles(m: int, sm90: bool = False) -> GluonTiles:
     if m <= 8:
         return GluonTiles(64, 8, 4, prefetch=3, split=0, pdl=sm90, w_eviction_policy=evict)
     if m <= 16:
-        return GluonTiles(128, 16, 4, prefetch=1, x_smem=True, pdl=sm90)
+        return GluonTiles(128, 16, 4, prefetch=1, x_smem=True, x_stages=2, pdl=sm90)
     if m <= 32:
-        return GluonTiles(128, 32, 4, prefetch=2, x_smem=True, pdl=sm90)
-    return GluonTiles(64, 64, 4, prefetch=2, x_smem=True)
+        return GluonTiles(128, 32, 4, prefetch=2, x_smem=True, x_stages=2, pdl=sm90)
+    return GluonTiles(64, 64, 4, prefetch=2, x_smem=True, x_stages=2)
 
 
 def max_rows(device: torch.device, dtype: torch.dtype) -> int:
@@ -394,24 +395,33 @@ if gluon is not None:
     @gluon.jit
     def _pair_step(acc, a_prev, w, s, pair, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K, EVEN_K: gl.constexpr,
                    X_SMEM: gl.constexpr, WGMMA: gl.constexpr, X_STAGES: gl.constexpr, OVERLAP: gl.constexpr,
-                   FP16: gl.constexpr,
+                   PREFETCH: gl.constexpr, SLOT: gl.constexpr, FP16: gl.constexpr,
                    A: gl.constexpr, B: gl.constexpr, CHUNK_L: gl.constexpr, BLOCK_N: gl.constexpr,
                    BLOCK_M: gl.constexpr, XS_L: gl.constexpr, ACT_L: gl.constexpr):
         """acc += pair ``pair`` (codes w, scales s already in registers), its x from global memory or,
         with X_SMEM, from the stage copied a pair ago (the next pair's copy started here); with WGMMA
-        by ``_pair_wgmma`` (``a_prev``: see there; passed through otherwise). Returns (acc, a_prev)."""
+        by ``_pair_wgmma`` (``a_prev``: see there; passed through otherwise). SLOT: the pair's place in the
+        loop body (pair - p_begin = (PREFETCH + 1) j + SLOT). Returns (acc, a_prev)."""
         if WGMMA:
             acc, a_prev = _pair_wgmma(acc, a_prev, w, s, pair, p_begin, p_end, x_from, x_smem, X_STAGES, OVERLAP,
                                       FP16, A, CHUNK_L, BLOCK_N)
         else:
             if X_SMEM:
-                stage = (pair - p_begin) % 2
-                _cta_barrier()  # every warp has read the stage the next copy overwrites
-                _copy_x(x_smem.index(1 - stage), x_from, gl.minimum(pair + 1, p_end - 1) * 128)
-                async_copy.wait_group(1)  # this pair's copy (the one before) has landed, for this thread
-                _cta_barrier()  # ... and for every thread
-                xa = _smem_x(x_smem.index(stage), 0, BLOCK_M, XS_L, ACT_L)
-                xb = _smem_x(x_smem.index(stage), 64, BLOCK_M, XS_L, ACT_L)
+                if X_STAGES == PREFETCH + 1:  # a buffer a stage, the loop body's pair k reading buffer k
+                    async_copy.wait_group(X_STAGES - 2)  # this pair's copy has landed, for this thread
+                    _cta_barrier()  # ... for every thread; and every warp is done with the last pair's buffer
+                    _copy_x(x_smem[(SLOT + X_STAGES - 1) % X_STAGES], x_from,
+                            gl.minimum(pair + X_STAGES - 1, p_end - 1) * 128)
+                    stage_x = x_smem[SLOT]
+                else:  # two stages of one buffer
+                    stage = (pair - p_begin) % 2
+                    _cta_barrier()  # every warp has read the stage the next copy overwrites
+                    _copy_x(x_smem.index(1 - stage), x_from, gl.minimum(pair + 1, p_end - 1) * 128)
+                    async_copy.wait_group(1)  # this pair's copy (the one before) has landed, for this thread
+                    _cta_barrier()  # ... and for every thread
+                    stage_x = x_smem.index(stage)
+                xa = _smem_x(stage_x, 0, BLOCK_M, XS_L, ACT_L)
+                xb = _smem_x(stage_x, 64, BLOCK_M, XS_L, ACT_L)
             else:
                 xa = _load_x(x_cols, x_feat, pair * 128, K, EVEN_K)
                 xb = _load_x(x_cols, x_feat, pair * 128 + 64, K, EVEN_K)
@@ -533,9 +543,20 @@ if gluon is not None:
                 cc = (cc % 2) + 2 * ((cc // 8) % 2) + 4 * (cc // 16) + 16 * ((cc // 2) % 4)
                 cc = gl.max_contiguous(gl.multiple_of(cc, 2), 2)
             cf = gl.expand_dims(cc, 0)
-        elif X_SMEM:  # [2 stages, BM, 128 features]: 16-byte pieces, swizzled by row (conflict-free reads)
-            x_smem = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [2, BLOCK_M, 128],
-                                               gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0]))
+        elif X_SMEM:  # stages of [BM, 128 features]: 16-byte pieces, swizzled by row (conflict-free reads)
+            XS_SHARED: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0])
+            if X_STAGES == PREFETCH + 1:  # a buffer a stage (static indices: one barrier a pair suffices)
+                xs0 = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [BLOCK_M, 128], XS_SHARED)
+                xs1 = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [BLOCK_M, 128], XS_SHARED)
+                xs2 = xs1
+                xs3 = xs1
+                if X_STAGES >= 3:
+                    xs2 = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [BLOCK_M, 128], XS_SHARED)
+                if X_STAGES >= 4:
+                    xs3 = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [BLOCK_M, 128], XS_SHARED)
+                x_smem = (xs0, xs1, xs2, xs3)
+            else:  # [2 stages, BM, 128]
+                x_smem = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [2, BLOCK_M, 128], XS_SHARED)
             cm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, XCP_L))
             cf = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, XCP_L)), 0)
         else:
@@ -575,47 +596,51 @@ if gluon is not None:
                     _copy_x_chunks(x_smem, st, x_from, gl.minimum(p_begin + st, p_end - 1) * 128)
             elif X_SMEM:
                 x_from = x_ptr + (gl.expand_dims(gl.minimum(m0 + cm, M - 1).to(gl.int64) * stride_xm, 1) + cf)
-                _cta_barrier()  # the last tile's reads of both stages are done
-                _copy_x(x_smem.index(0), x_from, p_begin * 128)
+                _cta_barrier()  # the last tile's reads of every stage are done
+                if X_STAGES == PREFETCH + 1:
+                    for st in gl.static_range(X_STAGES - 1):  # the first pairs' copies
+                        _copy_x(x_smem[st], x_from, gl.minimum(p_begin + st, p_end - 1) * 128)
+                else:
+                    _copy_x(x_smem.index(0), x_from, p_begin * 128)
             blocks = (p_end - p_begin) // D
             pair = p_begin
             if not PDL:
                 w0, s0, w1, s1, w2, s2, w3, s3 = _first_pairs(w_rows, s_rows, p_begin, p_last, stride_wp,
                                                               stride_sp, D, W_EP)
             for _ in range(blocks):
-                acc, a_prev = _pair_step(acc, a_prev, w0, s0, pair, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K,
-                                         EVEN_K, X_SMEM, WGMMA, X_STAGES, OVERLAP, FP16, A, B, CHUNK_L, BLOCK_N,
-                                         BLOCK_M, XS_L, ACT_L)
+                acc, a_prev = _pair_step(acc, a_prev, w0, s0, pair, p_begin, p_end, x_cols, x_feat,
+                                         x_from, x_smem, K, EVEN_K, X_SMEM, WGMMA, X_STAGES, OVERLAP, PREFETCH, 0,
+                                         FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L, ACT_L)
                 w0, s0 = _load_w(w_rows, s_rows, pair + D, p_last, stride_wp, stride_sp, W_EP)
-                acc, a_prev = _pair_step(acc, a_prev, w1, s1, pair + 1, p_begin, p_end, x_cols, x_feat, x_from,
-                                         x_smem, K, EVEN_K, X_SMEM, WGMMA, X_STAGES, OVERLAP, FP16, A, B, CHUNK_L,
-                                         BLOCK_N, BLOCK_M, XS_L, ACT_L)
+                acc, a_prev = _pair_step(acc, a_prev, w1, s1, pair + 1, p_begin, p_end, x_cols, x_feat,
+                                         x_from, x_smem, K, EVEN_K, X_SMEM, WGMMA, X_STAGES, OVERLAP, PREFETCH, 1,
+                                         FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L, ACT_L)
                 w1, s1 = _load_w(w_rows, s_rows, pair + 1 + D, p_last, stride_wp, stride_sp, W_EP)
                 if D >= 3:
-                    acc, a_prev = _pair_step(acc, a_prev, w2, s2, pair + 2, p_begin, p_end, x_cols, x_feat, x_from,
-                                             x_smem, K, EVEN_K, X_SMEM, WGMMA, X_STAGES, OVERLAP, FP16, A, B, CHUNK_L,
-                                             BLOCK_N, BLOCK_M, XS_L, ACT_L)
+                    acc, a_prev = _pair_step(acc, a_prev, w2, s2, pair + 2, p_begin, p_end, x_cols, x_feat,
+                                             x_from, x_smem, K, EVEN_K, X_SMEM, WGMMA, X_STAGES, OVERLAP, PREFETCH, 2,
+                                             FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L, ACT_L)
                     w2, s2 = _load_w(w_rows, s_rows, pair + 2 + D, p_last, stride_wp, stride_sp, W_EP)
                 if D >= 4:
-                    acc, a_prev = _pair_step(acc, a_prev, w3, s3, pair + 3, p_begin, p_end, x_cols, x_feat, x_from,
-                                             x_smem, K, EVEN_K, X_SMEM, WGMMA, X_STAGES, OVERLAP, FP16, A, B, CHUNK_L,
-                                             BLOCK_N, BLOCK_M, XS_L, ACT_L)
+                    acc, a_prev = _pair_step(acc, a_prev, w3, s3, pair + 3, p_begin, p_end, x_cols, x_feat,
+                                             x_from, x_smem, K, EVEN_K, X_SMEM, WGMMA, X_STAGES, OVERLAP, PREFETCH, 3,
+                                             FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L, ACT_L)
                     w3, s3 = _load_w(w_rows, s_rows, pair + 3 + D, p_last, stride_wp, stride_sp, W_EP)
                 pair += D
             if pair < p_end:  # the last (p_end - p_begin) % D pairs, already loaded
-                acc, a_prev = _pair_step(acc, a_prev, w0, s0, pair, p_begin, p_end, x_cols, x_feat, x_from, x_smem, K,
-                                         EVEN_K, X_SMEM, WGMMA, X_STAGES, OVERLAP, FP16, A, B, CHUNK_L, BLOCK_N,
-                                         BLOCK_M, XS_L, ACT_L)
+                acc, a_prev = _pair_step(acc, a_prev, w0, s0, pair, p_begin, p_end, x_cols, x_feat,
+                                         x_from, x_smem, K, EVEN_K, X_SMEM, WGMMA, X_STAGES, OVERLAP, PREFETCH, 0,
+                                         FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L, ACT_L)
             if D >= 3:
                 if pair + 1 < p_end:
-                    acc, a_prev = _pair_step(acc, a_prev, w1, s1, pair + 1, p_begin, p_end, x_cols, x_feat, x_from,
-                                             x_smem, K, EVEN_K, X_SMEM, WGMMA, X_STAGES, OVERLAP, FP16, A, B, CHUNK_L,
-                                             BLOCK_N, BLOCK_M, XS_L, ACT_L)
+                    acc, a_prev = _pair_step(acc, a_prev, w1, s1, pair + 1, p_begin, p_end, x_cols, x_feat,
+                                             x_from, x_smem, K, EVEN_K, X_SMEM, WGMMA, X_STAGES, OVERLAP, PREFETCH, 1,
+                                             FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L, ACT_L)
             if D >= 4:
                 if pair + 2 < p_end:
-                    acc, a_prev = _pair_step(acc, a_prev, w2, s2, pair + 2, p_begin, p_end, x_cols, x_feat, x_from,
-                                             x_smem, K, EVEN_K, X_SMEM, WGMMA, X_STAGES, OVERLAP, FP16, A, B, CHUNK_L,
-                                             BLOCK_N, BLOCK_M, XS_L, ACT_L)
+                    acc, a_prev = _pair_step(acc, a_prev, w2, s2, pair + 2, p_begin, p_end, x_cols, x_feat,
+                                             x_from, x_smem, K, EVEN_K, X_SMEM, WGMMA, X_STAGES, OVERLAP, PREFETCH, 2,
+                                             FP16, A, B, CHUNK_L, BLOCK_N, BLOCK_M, XS_L, ACT_L)
             if OVERLAP:
                 acc, a_prev = warpgroup_mma_wait(0, deps=[acc, a_prev])  # the tile's last wgmma
             if X_SMEM or WGMMA:
@@ -633,17 +658,21 @@ def w4a16_mma_matmul(x2: torch.Tensor, weight: tw.W4A16Weight, y: torch.Tensor,
     n = weight.out_features
     t = tiles or default_tiles(m, wgmma_available(x2.device))
     if (t.block_m not in (8, 16, 32, 64) + ((128, 256) if t.wgmma else ()) or t.block_n % (16 * t.num_warps)
-            or t.num_warps not in (1, 2, 4, 8) or t.prefetch not in (1, 2, 3) or (t.x_smem and 2 * t.num_warps > t.block_m)
+            or t.num_warps not in (1, 2, 4, 8) or t.prefetch not in (1, 2, 3)
+            or (t.x_smem and 2 * t.num_warps > t.block_m)
             or (t.split is not None and t.split < 0)
-            or (t.wgmma and (t.num_warps % 4 or t.block_m < 4 * t.num_warps or t.x_stages not in (2, 3, 4)))
+            or (t.wgmma and (t.num_warps % 4 or t.block_m < 4 * t.num_warps))
+            or (t.wgmma and t.x_stages not in (2, 3, 4))
+            or (t.x_smem and not t.wgmma and t.x_stages not in (2, t.prefetch + 1))
             or (t.mma_overlap and not (t.wgmma and t.x_stages >= 3))
             or (t.maxnreg is not None and not 32 <= t.maxnreg <= 255)
             or t.w_eviction_policy not in ("", "evict_first", "evict_last")):
         raise ValueError(f"w4a16_mma_matmul: {t} needs block_m in 8, 16, 32, 64, block_n a multiple of "
                          f"16 x num_warps, num_warps in 1, 2, 4, 8 and prefetch 1, 2 or 3 (x_smem: block_m >= 2 x "
                          f"num_warps; split None or >= 0; wgmma: block_m up to 256 and >= 4 x num_warps, num_warps "
-                         f"4 or 8, x_stages 2, 3 or 4; mma_overlap: wgmma with x_stages 3 or 4; maxnreg None or "
-                         f"32-255; w_eviction_policy '', 'evict_first' or 'evict_last')")
+                         f"4 or 8, x_stages 2, 3 or 4; x_smem: x_stages 2 or prefetch + 1; mma_overlap: wgmma with "
+                         f"x_stages 3 or 4; "
+                         f"maxnreg None or 32-255; w_eviction_policy '', 'evict_first' or 'evict_last')")
     n_pairs = weight.codes.shape[1]
     gather = t.wgmma and t.x_gather and k % 128 == 0
     if t.wgmma and not gather:
