@@ -1,11 +1,11 @@
 """Probe (2026-12-04, seventh session; kept in git history only): decode steps of the 27B MIXED export
-with the 32-row W4A16 default tile as it was (x in two stages of one buffer, two CTA barriers a pair:
-"two") and with x in three buffers (x_stages 3 = prefetch + 1, one barrier a pair: "three"), patched
-into ``default_tiles`` in this process, the variants alternated.
+with W4A16 tiles patched into ``default_tiles`` in this process, the variants alternated. At 17-32 rows:
+128 x 32 x 4 warps, prefetch 2, x in two stages of one buffer (two CTA barriers a pair: "two") or in
+three buffers (x_stages 3 = prefetch + 1, one barrier a pair: "three"). At 9-16 rows: the default of
+4d70523 (128 x 16, prefetch 1, two buffers: "old16") or 64 x 16, prefetch 2, three buffers ("new16").
 
     OUT=dir python3 benchmarks/ab_x_stages_probe.py two,three,two,three 32 256
 """
-import dataclasses
 import json
 import os
 import sys
@@ -21,11 +21,15 @@ order, conc, osl = sys.argv[1].split(","), sys.argv[2], sys.argv[3]
 out = os.environ["OUT"]
 runs = []
 for i, name in enumerate(order):
-    stages = 3 if name == "three" else 2
+    T = g.GluonTiles
+    patch = {"two": (32, T(128, 32, 4, prefetch=2, x_smem=True, x_stages=2, pdl=True)),
+             "three": (32, T(128, 32, 4, prefetch=2, x_smem=True, x_stages=3, pdl=True)),
+             "old16": (16, T(128, 16, 4, prefetch=1, x_smem=True, x_stages=2, pdl=True)),
+             "new16": (16, T(64, 16, 4, prefetch=2, x_smem=True, x_stages=3, pdl=True))}[name]
 
-    def tiles(m: int, sm90: bool = False, stages: int = stages) -> g.GluonTiles:
-        t = default(m, sm90)
-        return dataclasses.replace(t, x_stages=stages) if 16 < m <= 32 and t.prefetch == 2 else t
+    def tiles(m: int, sm90: bool = False, patch: tuple = patch) -> g.GluonTiles:
+        rows, t = patch
+        return t if rows - 16 < m <= rows else default(m, sm90)
 
     g.default_tiles = tiles
     f = f"{out}/ab_x_stages_{i}_{name}.json"

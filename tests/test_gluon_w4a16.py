@@ -199,10 +199,10 @@ def test_gluon_w4a16_wgmma_27b_shapes(shape):
 
 @gpu
 @pytest.mark.parametrize("tiles", [(64, 8, 4, None, 3, False, 0, False, False, False),
-                                   (128, 16, 4, None, 1, True, None, False, False, False),
+                                   (64, 16, 4, None, 2, True, None, False, False, False),
                                    (64, 32, 4, None, 2, False, None, True, True, False),
                                    (128, 128, 8, None, 2, False, None, True, False, True)],
-                         ids=["bm8-split", "bm16-x-smem", "wgmma-bm32-gather", "wgmma-bm128-permuted-overlap"])
+                         ids=["bm8-split", "bm16-x-smem-3-buffers", "wgmma-bm32-gather", "wgmma-bm128-permuted-overlap"])
 def test_gluon_w4a16_pdl_chain_waits_for_its_input(tiles):
     """Programmatic dependent launch: three launches chained (each one's y the next one's x, the
     output buffers poisoned with NaN first), eager and inside a CUDA graph, give the bits of the same
@@ -222,7 +222,7 @@ def test_gluon_w4a16_pdl_chain_waits_for_its_input(tiles):
 
     def chain(pdl: bool, ys: list) -> None:
         t = g.GluonTiles(bn, bm, nw, per_sm, prefetch, x_smem, split, wgmma=wgmma, x_gather=gather, pdl=pdl,
-                         mma_overlap=overlap)
+                         mma_overlap=overlap, x_stages=3 if wgmma else prefetch + 1)
         g.w4a16_mma_matmul(x, wt, ys[0], t)
         g.w4a16_mma_matmul(ys[0], wt, ys[1], t)
         g.w4a16_mma_matmul(ys[1], wt, ys[2], t)
@@ -384,7 +384,7 @@ print(json.dumps({"mma": ptx.count("mma.sync.aligned.m16n8k16"), "ld_shared": pt
                                      (128, 128, 8, False, True, 2, False, True, 3, False, False, True),
                                      (64, 64, 4, True, True, 1, False, True, 4, True, True, True),
                                      (64, 8, 4, False, True, 3, False, False, 2, False, True, False, 80),
-                                     (128, 32, 4, False, True, 2, True, False, 2, False, True, False, 168),
+                                     (128, 32, 4, False, True, 2, True, False, 3, False, True, False, 168),
                                      (128, 32, 4, False, True, 2, True, False, 3, False, True),
                                      (128, 16, 4, True, True, 3, True, False, 4, False, True)],
                          ids=["bf16-bm8-prefetch2", "fp16-bm32-oddK-prefetch2", "bf16-bm16-prefetch3",

@@ -122,8 +122,9 @@ def default_tiles(m: int, sm90: bool = False) -> GluonTiles:
     """The launch tiles for ``m`` batch rows (up to ``max_rows``): the accumulator as narrow as the
     batch allows, with the output rows, warps, prefetch depth, x staging and K split of the fastest
     tiles over the 27B's MLP shapes together in the H200 sweeps (benchmarks/RESULTS.md). Up to batch
-    8: 64 rows x 4 warps, three pairs in flight, split-K filling one wave; at 16, 128 x 4 warps, one
-    pair in flight, x through shared memory, stream-K; at 32 the same with two pairs in flight (dceef97);
+    8: 64 rows x 4 warps, three pairs in flight, split-K filling one wave; at 16, 64 x 4 warps, two pairs
+    in flight, x through shared memory in a buffer a stage (one CTA barrier a pair), stream-K; at 32,
+    128 x 4 warps, the same (the 2026-12-04 sweep: 16 rows down 25.6 -> 23.2 us, the c32 step -0.3%);
     at 64, 64 x 4 warps, two in flight, x through shared memory (a3b7df4). On sm_90 (``sm90``) these
     launch with programmatic dependent launch, and from 33 rows the warpgroup-MMA tiles take over:
     64 x 64 x 4 warps up to 64 rows, 128 x 128 x 8 warps (one or two batch tiles) with each pair's
@@ -140,9 +141,9 @@ def default_tiles(m: int, sm90: bool = False) -> GluonTiles:
     if m <= 8:
         return GluonTiles(64, 8, 4, prefetch=3, split=0, pdl=sm90, w_eviction_policy=evict)
     if m <= 16:
-        return GluonTiles(128, 16, 4, prefetch=1, x_smem=True, x_stages=2, pdl=sm90)
+        return GluonTiles(64, 16, 4, prefetch=2, x_smem=True, x_stages=3, pdl=sm90)
     if m <= 32:
-        return GluonTiles(128, 32, 4, prefetch=2, x_smem=True, x_stages=2, pdl=sm90)
+        return GluonTiles(128, 32, 4, prefetch=2, x_smem=True, x_stages=3, pdl=sm90)
     return GluonTiles(64, 64, 4, prefetch=2, x_smem=True, x_stages=2)
 
 
