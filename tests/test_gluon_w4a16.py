@@ -202,7 +202,8 @@ def test_gluon_w4a16_wgmma_27b_shapes(shape):
                                    (64, 16, 4, None, 2, True, None, False, False, False),
                                    (64, 32, 4, None, 2, False, None, True, True, False),
                                    (128, 128, 8, None, 2, False, None, True, False, True)],
-                         ids=["bm8-split", "bm16-x-smem-3-buffers", "wgmma-bm32-gather", "wgmma-bm128-permuted-overlap"])
+                         ids=["bm8-split", "bm16-x-smem-3-buffers", "wgmma-bm32-gather",
+                              "wgmma-bm128-permuted-overlap"])
 def test_gluon_w4a16_pdl_chain_waits_for_its_input(tiles):
     """Programmatic dependent launch: three launches chained (each one's y the next one's x, the
     output buffers poisoned with NaN first), eager and inside a CUDA graph, give the bits of the same
