@@ -141,6 +141,44 @@ def test_rotary_matches_torch(dtype, d, rot, heads):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d,rot,hq,hk,kind", [(128, 128, 6, 2, "plain"), (256, 64, 5, 2, "zero_centered"),
+                                              (64, 32, 3, 1, "plain")])
+def test_qk_norm_rope_is_the_norms_then_the_rotation(dtype, d, rot, hq, hk, kind):
+    """One launch for q_norm, k_norm and the rotation (Qwen3; Qwen3.5 / 3.6: zero-centred norms, a
+    partial rotation, q a strided view of [query | gate] heads, k of the qkv row): the bits of the
+    per-head norm kernel then the rotary kernel; and close to the torch modules (the same roundings,
+    up to the order of the sum of squares and, compiled, a product fused into its add: within 2^-6)."""
+    from kvserve.kernels.triton_layers import qk_norm_rope, rms_norm, rotary
+
+    cls, weights = NORMS[kind]
+    g = torch.Generator().manual_seed(d + rot + hq)
+    t = 9
+    q = (torch.randn(t, hq, 2 * d, generator=g) * 2).to(DEV, dtype)[..., :d]
+    k = (torch.randn(t, 2 * hk * d + 8, generator=g) * 2).to(DEV, dtype)[:, : hk * d].view(t, hk, d)
+    q_norm, k_norm = cls(d, 1e-6).to(DEV, dtype), cls(d, 1e-6).to(DEV, dtype)
+    with torch.no_grad():
+        q_norm.weight.copy_(weights(d, g))
+        k_norm.weight.copy_(weights(d, g))
+    rope = RotaryEmbedding(d, 4096, {"rope_theta": 1e6, "rope_type": "default"}, rot_dim=rot).to(DEV)
+    pos = torch.randint(0, 4096, (t,), generator=g).to(DEV)
+    want_q, want_k = rope.norm_and_rotate(pos, q, k, q_norm, k_norm)  # the torch modules
+    zc = kind == "zero_centered"
+    chain = [rotary(rms_norm(x, w.weight, 1e-6, zero_centered=zc), pos, rope.cos_cache, rope.sin_cache, rot)
+             for x, w in ((q, q_norm), (k, k_norm))]
+    got_q, got_k = qk_norm_rope(q, k, q_norm.weight, k_norm.weight, 1e-6, pos, rope.cos_cache, rope.sin_cache, rot,
+                                zero_centered=zc)
+    assert got_q.shape == (t, hq, d) and got_k.shape == (t, hk, d) and got_q.is_contiguous()
+    assert torch.equal(got_q, chain[0]) and torch.equal(got_k, chain[1])
+    for got, want in ((got_q, want_q), (got_k, want_k)):
+        assert bool(torch.isfinite(got).all())
+        assert torch.allclose(got.float(), want.float(), rtol=2**-6, atol=2**-6)
+    for m in (q_norm, k_norm, rope):  # the modules take the kernel once the runner fuses them
+        m.fused = True
+    fused_q, fused_k = rope.norm_and_rotate(pos, q, k, q_norm, k_norm)
+    assert torch.equal(fused_q, got_q) and torch.equal(fused_k, got_k)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", [96, 3072])
 def test_silu_and_mul_matches_torch(dtype, n):
     from kvserve.kernels.triton_layers import silu_and_mul

@@ -1,6 +1,7 @@
 """Triton kernels for the small per-layer ops of a decode step: (residual add +) RMSNorm, the gated
-RMSNorm of the GDN output, rotary embedding, SiLU-and-mul, the gated attention's sigmoid output gate
-and the FP8 layers' static activation quantisation, each one launch instead of 3-10 torch kernels.
+RMSNorm of the GDN output, rotary embedding (alone, or after the per-head q / k norms), SiLU-and-mul,
+the gated attention's sigmoid output gate and the FP8 layers' static activation quantisation, each
+one launch instead of 3-10 torch kernels.
 
 Each reproduces its torch twin in ``layers/`` rounding for rounding (the model-dtype add, fp32
 statistics, a rounding to the model dtype before the weight multiply (none for the zero-centred
@@ -166,6 +167,85 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: tor
             REST_PAD=triton.next_power_of_2(max(rest, 1)), num_warps=4, **pdl.launch_options(x.device),
         )
     return out
+
+
+@triton.jit
+def _qk_norm_rope_kernel(
+    q_ptr, k_ptr, qw_ptr, kw_ptr, q_out_ptr, k_out_ptr, pos_ptr, cos_ptr, sin_ptr,
+    q_heads, heads, stride_qt, stride_qh, stride_kt, stride_kh, stride_c, n, eps,
+    ZERO_CENTERED: tl.constexpr, BLOCK: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+    REST: tl.constexpr, REST_PAD: tl.constexpr, PDL: tl.constexpr,
+):
+    """One head of one token (q heads first, then k heads): ``_rmsnorm_kernel``'s statistics from the
+    whole row, the same normalized values (the row read again by parts), then ``_rotary_kernel``'s
+    rotation of the first 2 * HALF dims and the rest copied: the bits of the two kernels in turn."""
+    pdl.start(PDL)
+    pid = tl.program_id(0).to(tl.int64)
+    t = pid // heads
+    h = pid % heads
+    is_q = h < q_heads
+    if is_q:
+        src = q_ptr + t * stride_qt + h * stride_qh
+        w_ptr = qw_ptr
+        dst = q_out_ptr + (t * q_heads + h) * n
+    else:
+        src = k_ptr + t * stride_kt + (h - q_heads) * stride_kh
+        w_ptr = kw_ptr
+        dst = k_out_ptr + (t * (heads - q_heads) + h - q_heads) * n
+    dt = q_out_ptr.dtype.element_ty
+    cols = tl.arange(0, BLOCK)
+    xf = tl.load(src + cols, mask=cols < n, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n + eps)
+    i = tl.arange(0, HALF_PAD)
+    im = i < HALF
+    x1 = _normed(src, w_ptr, i, im, rstd, ZERO_CENTERED, dt)
+    x2 = _normed(src, w_ptr, HALF + i, im, rstd, ZERO_CENTERED, dt)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    c = tl.load(cos_ptr + pos * stride_c + i, mask=im, other=0.0).to(dt).to(tl.float32)
+    s = tl.load(sin_ptr + pos * stride_c + i, mask=im, other=0.0).to(dt).to(tl.float32)
+    o1 = ((x1 * c).to(dt).to(tl.float32) + (-x2 * s).to(dt).to(tl.float32)).to(dt)
+    o2 = ((x2 * c).to(dt).to(tl.float32) + (x1 * s).to(dt).to(tl.float32)).to(dt)
+    tl.store(dst + i, o1, mask=im)
+    tl.store(dst + HALF + i, o2, mask=im)
+    if REST > 0:
+        j = tl.arange(0, REST_PAD)
+        jm = j < REST
+        tl.store(dst + 2 * HALF + j, _normed(src, w_ptr, 2 * HALF + j, jm, rstd, ZERO_CENTERED, dt).to(dt), mask=jm)
+
+
+@triton.jit
+def _normed(src, w_ptr, cols, mask, rstd, ZERO_CENTERED: tl.constexpr, dt: tl.constexpr):
+    """``_rmsnorm_kernel``'s output at ``cols`` of a row (rounded to dt), as fp32."""
+    y = tl.load(src + cols, mask=mask, other=0.0).to(tl.float32) * rstd
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if ZERO_CENTERED:
+        return (y * (1.0 + w)).to(dt).to(tl.float32)
+    return (w * y.to(dt).to(tl.float32)).to(dt).to(tl.float32)
+
+
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                 positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot_dim: int,
+                 zero_centered: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-head q / k norms then the rotary embedding (Qwen3, Qwen3.5 / 3.6 attention) in one launch:
+    the bits of ``rms_norm`` on q and k then ``rotary`` on both. q [T, Hq, D], k [T, Hk, D] (last dim
+    contiguous, any row / head strides); returns new contiguous [T, Hq, D] and [T, Hk, D]."""
+    assert q.stride(-1) == 1 and k.stride(-1) == 1 and q.shape[0] == k.shape[0] and q.shape[2] == k.shape[2]
+    assert q_weight.is_contiguous() and k_weight.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
+    t, hq, d = q.shape
+    hk = k.shape[1]
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if t:
+        half, rest = rot_dim // 2, d - rot_dim
+        block = triton.next_power_of_2(d)
+        _qk_norm_rope_kernel[(t * (hq + hk),)](
+            q, k, q_weight, k_weight, q_out, k_out, positions, cos, sin,
+            hq, hq + hk, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), d, float(eps),
+            ZERO_CENTERED=zero_centered, BLOCK=block, HALF=half, HALF_PAD=triton.next_power_of_2(half), REST=rest,
+            REST_PAD=triton.next_power_of_2(max(rest, 1)), num_warps=max(1, min(8, block // 256)),
+            **pdl.launch_options(q.device),
+        )
+    return q_out, k_out
 
 
 @triton.jit

@@ -9,6 +9,8 @@ from torch import nn
 class RMSNorm(nn.Module):
     """``w * (x / rms(x))``; with ``residual`` given, adds it first and returns (normed, new residual)."""
 
+    zero_centered = False  # (the fused kernels' switch between the two norms)
+
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
@@ -38,6 +40,8 @@ class ZeroCenteredRMSNorm(nn.Module):
     """``(1 + w) * (x / rms(x))`` with the weight stored as an offset around 0 (Gemma / Qwen3-Next /
     Qwen3.5 layer norms). Unlike :class:`RMSNorm` the weight multiply happens in float32 before the
     cast back (transformers' ``Qwen3NextRMSNorm``). Same ``residual`` convention as :class:`RMSNorm`."""
+
+    zero_centered = True
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()

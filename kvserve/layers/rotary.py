@@ -65,6 +65,18 @@ class RotaryEmbedding(nn.Module):
         out = rot * cos + rotated * sin
         return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
 
+    def norm_and_rotate(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm: nn.Module,
+                        k_norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """``q_norm(q)``, ``k_norm(k)`` (per-head RMSNorm or ZeroCenteredRMSNorm), then this rotation:
+        one Triton kernel when the runner fused the three modules (the same bits), else the modules."""
+        if (self.fused and q_norm.fused and k_norm.fused and q_norm.eps == k_norm.eps
+                and q_norm.zero_centered == k_norm.zero_centered):
+            from kvserve.kernels.triton_layers import qk_norm_rope
+
+            return qk_norm_rope(q, k, q_norm.weight, k_norm.weight, q_norm.eps, positions, self.cos_cache,
+                                self.sin_cache, self.rot_dim, zero_centered=q_norm.zero_centered)
+        return self(positions, q_norm(q), k_norm(k))
+
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:

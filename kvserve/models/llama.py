@@ -40,9 +40,10 @@ class LlamaAttentionBlock(nn.Module):
         q = q.view(-1, self.num_heads, self.head_size)
         k = k.view(-1, self.num_kv_heads, self.head_size)
         v = v.view(-1, self.num_kv_heads, self.head_size)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+        if self.qk_norm:  # (Qwen3: per-head norms, then the rotation; one kernel when fused)
+            q, k = self.rotary_emb.norm_and_rotate(positions, q, k, self.q_norm, self.k_norm)
+        else:
+            q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v, meta))
 
 

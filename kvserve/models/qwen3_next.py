@@ -151,10 +151,9 @@ class GatedAttentionBlock(nn.Module):
         t = x.shape[0]
         qg, k, v = self.qkv_proj(x).split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, gate = qg.view(t, self.num_heads, 2 * self.head_size).chunk(2, dim=-1)
-        q = self.q_norm(q)
-        k = self.k_norm(k.view(t, self.num_kv_heads, self.head_size))
+        k = k.view(t, self.num_kv_heads, self.head_size)
         v = v.view(t, self.num_kv_heads, self.head_size)
-        q, k = self.rotary_emb(positions, q, k)
+        q, k = self.rotary_emb.norm_and_rotate(positions, q, k, self.q_norm, self.k_norm)
         out = self.attn(q, k, v, meta)
         if self.fused:
             from kvserve.kernels.triton_layers import sigmoid_gate
