@@ -146,8 +146,9 @@ def test_rotary_matches_torch(dtype, d, rot, heads):
 def test_qk_norm_rope_is_the_norms_then_the_rotation(dtype, d, rot, hq, hk, kind):
     """One launch for q_norm, k_norm and the rotation (Qwen3; Qwen3.5 / 3.6: zero-centred norms, a
     partial rotation, q a strided view of [query | gate] heads, k of the qkv row): the bits of the
-    per-head norm kernel then the rotary kernel; and close to the torch modules (the same roundings,
-    up to the order of the sum of squares and, compiled, a product fused into its add: within 2^-6)."""
+    per-head norm kernel then the rotary kernel in the interpreter (compiled: within a few roundings of
+    them); and close to the torch modules (the same roundings, up to the order of the sum of squares
+    and, compiled, a product fused into its add: within 2^-6)."""
     from kvserve.kernels.triton_layers import qk_norm_rope, rms_norm, rotary
 
     cls, weights = NORMS[kind]
@@ -168,7 +169,13 @@ def test_qk_norm_rope_is_the_norms_then_the_rotation(dtype, d, rot, hq, hk, kind
     got_q, got_k = qk_norm_rope(q, k, q_norm.weight, k_norm.weight, 1e-6, pos, rope.cos_cache, rope.sin_cache, rot,
                                 zero_centered=zc)
     assert got_q.shape == (t, hq, d) and got_k.shape == (t, hk, d) and got_q.is_contiguous()
-    assert torch.equal(got_q, chain[0]) and torch.equal(got_k, chain[1])
+    if DEV == "cpu":  # the interpreter rounds every operation as written: the chain's bits
+        assert torch.equal(got_q, chain[0]) and torch.equal(got_k, chain[1])
+    else:  # compiled, ptxas may fuse a product into its add in one kernel and not the other (the rotary
+        # test's finding): a rounding or two apart, at the scale of the head's largest value
+        eps = torch.finfo(dtype).eps
+        for got, want in zip((got_q, got_k), chain):
+            assert float((got.float() - want.float()).abs().max()) <= 4 * eps * float(want.float().abs().max())
     for got, want in ((got_q, want_q), (got_k, want_k)):
         assert bool(torch.isfinite(got).all())
         assert torch.allclose(got.float(), want.float(), rtol=2**-6, atol=2**-6)
