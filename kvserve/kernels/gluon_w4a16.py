@@ -8,7 +8,7 @@ back twice, with a barrier a chunk. Gluon states the layouts, so here the weight
 shared memory: each thread loads, with 16-byte loads, exactly the code words its ``mma.sync``
 fragments need, decodes them in registers (the same PTX as the Triton kernel) and multiplies. Its
 activations come from global memory the same way, or (``GluonTiles.x_smem``) from a shared copy of
-x made by cp.async a pair ahead, one for all warps.
+x made by cp.async one or more pairs ahead, one for all warps (a buffer a stage: one CTA barrier a pair).
 
 **Register prefetch**: ``GluonTiles.prefetch`` + 1 register buffers; a buffer is refilled with the
 pair ``prefetch`` + 1 ahead right after its pair is multiplied, and the loop body takes one pair a
@@ -400,7 +400,8 @@ if gluon is not None:
                    A: gl.constexpr, B: gl.constexpr, CHUNK_L: gl.constexpr, BLOCK_N: gl.constexpr,
                    BLOCK_M: gl.constexpr, XS_L: gl.constexpr, ACT_L: gl.constexpr):
         """acc += pair ``pair`` (codes w, scales s already in registers), its x from global memory or,
-        with X_SMEM, from the stage copied a pair ago (the next pair's copy started here); with WGMMA
+        with X_SMEM, from the stage copied X_STAGES - 1 pairs ago (a buffer a stage) or a pair ago (two
+        stages of one buffer), the copy that many pairs ahead started here; with WGMMA
         by ``_pair_wgmma`` (``a_prev``: see there; passed through otherwise). SLOT: the pair's place in the
         loop body (pair - p_begin = (PREFETCH + 1) j + SLOT). Returns (acc, a_prev)."""
         if WGMMA:
@@ -672,8 +673,8 @@ def w4a16_mma_matmul(x2: torch.Tensor, weight: tw.W4A16Weight, y: torch.Tensor,
                          f"16 x num_warps, num_warps in 1, 2, 4, 8 and prefetch 1, 2 or 3 (x_smem: block_m >= 2 x "
                          f"num_warps; split None or >= 0; wgmma: block_m up to 256 and >= 4 x num_warps, num_warps "
                          f"4 or 8, x_stages 2, 3 or 4; x_smem: x_stages 2 or prefetch + 1; mma_overlap: wgmma with "
-                         f"x_stages 3 or 4; "
-                         f"maxnreg None or 32-255; w_eviction_policy '', 'evict_first' or 'evict_last')")
+                         f"x_stages 3 or 4; maxnreg None or 32-255; w_eviction_policy '', 'evict_first' or "
+                         f"'evict_last')")
     n_pairs = weight.codes.shape[1]
     gather = t.wgmma and t.x_gather and k % 128 == 0
     if t.wgmma and not gather:

@@ -178,7 +178,8 @@ def _qk_norm_rope_kernel(
 ):
     """One head of one token (q heads first, then k heads): ``_rmsnorm_kernel``'s statistics from the
     whole row, the same normalized values (the row read again by parts), then ``_rotary_kernel``'s
-    rotation of the first 2 * HALF dims and the rest copied: the bits of the two kernels in turn."""
+    rotation of the first 2 * HALF dims and the rest copied: the two kernels' roundings in turn (their
+    bits in the interpreter; compiled, ptxas may fuse a product into its add differently)."""
     pdl.start(PDL)
     pid = tl.program_id(0).to(tl.int64)
     t = pid // heads
@@ -227,7 +228,8 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
                  positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot_dim: int,
                  zero_centered: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The per-head q / k norms then the rotary embedding (Qwen3, Qwen3.5 / 3.6 attention) in one launch:
-    the bits of ``rms_norm`` on q and k then ``rotary`` on both. q [T, Hq, D], k [T, Hk, D] (last dim
+    ``rms_norm`` on q and k then ``rotary`` on both, rounded as they round (in the interpreter the same
+    bits; on the H200 a rounding apart in some elements). q [T, Hq, D], k [T, Hk, D] (last dim
     contiguous, any row / head strides); returns new contiguous [T, Hq, D] and [T, Hk, D]."""
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and q.shape[0] == k.shape[0] and q.shape[2] == k.shape[2]
     assert q_weight.is_contiguous() and k_weight.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()

@@ -68,7 +68,8 @@ class RotaryEmbedding(nn.Module):
     def norm_and_rotate(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm: nn.Module,
                         k_norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         """``q_norm(q)``, ``k_norm(k)`` (per-head RMSNorm or ZeroCenteredRMSNorm), then this rotation:
-        one Triton kernel when the runner fused the three modules (the same bits), else the modules."""
+        one Triton kernel when the runner fused the three modules (the norm and rotary kernels' roundings;
+        compiled, a rounding apart in some elements: ``triton_layers.qk_norm_rope``), else the modules."""
         if (self.fused and q_norm.fused and k_norm.fused and q_norm.eps == k_norm.eps
                 and q_norm.zero_centered == k_norm.zero_centered):
             from kvserve.kernels.triton_layers import qk_norm_rope
