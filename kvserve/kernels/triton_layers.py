@@ -21,6 +21,24 @@ from kvserve.kernels import pdl
 
 
 @triton.jit
+def _weighted(y, w, ZERO_CENTERED: tl.constexpr, dt: tl.constexpr):
+    """A normalized row y (fp32) times its weight w, rounded as the torch norms round: ``(1 + w)``
+    in fp32 before the one cast (zero-centred), else y cast to dt first (RMSNorm)."""
+    if ZERO_CENTERED:
+        return (y * (1.0 + w.to(tl.float32))).to(dt)
+    return (w.to(tl.float32) * y.to(dt).to(tl.float32)).to(dt)
+
+
+@triton.jit
+def _rotate_half(x1, x2, c, s, dt: tl.constexpr):
+    """The neox rotation of halves x1, x2 (fp32) by cos c and sin s as torch rounds it: ``rot * cos +
+    cat(-x2, x1) * sin``, each product and the sum rounded to dt."""
+    o1 = ((x1 * c).to(dt).to(tl.float32) + (-x2 * s).to(dt).to(tl.float32)).to(dt)
+    o2 = ((x2 * c).to(dt).to(tl.float32) + (x1 * s).to(dt).to(tl.float32)).to(dt)
+    return o1, o2
+
+
+@triton.jit
 def _rmsnorm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     heads, stride_xt, stride_xh, stride_rt, stride_ot, stride_oh, stride_rot,
@@ -43,11 +61,7 @@ def _rmsnorm_kernel(
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, axis=0) / n
     y = xf * (1.0 / tl.sqrt(var + eps))
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    if ZERO_CENTERED:
-        out = (y * (1.0 + w.to(tl.float32))).to(out_ptr.dtype.element_ty)
-    else:
-        out = (w.to(tl.float32) * y.to(x_ptr.dtype.element_ty).to(tl.float32)).to(out_ptr.dtype.element_ty)
+    out = _weighted(y, tl.load(w_ptr + cols, mask=mask, other=0.0), ZERO_CENTERED, out_ptr.dtype.element_ty)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + cols, out, mask=mask)
 
 
@@ -139,9 +153,7 @@ def _rotary_kernel(
         base = x_ptr + t * stride_xt + h[:, None] * stride_xh
         x1 = tl.load(base + i[None, :], mask=m, other=0.0).to(tl.float32)
         x2 = tl.load(base + HALF + i[None, :], mask=m, other=0.0).to(tl.float32)
-        # torch: rot * cos + cat(-x2, x1) * sin, each product and the sum rounded to the model dtype
-        o1 = ((x1 * c[None, :]).to(dt).to(tl.float32) + (-x2 * s[None, :]).to(dt).to(tl.float32)).to(dt)
-        o2 = ((x2 * c[None, :]).to(dt).to(tl.float32) + (x1 * s[None, :]).to(dt).to(tl.float32)).to(dt)
+        o1, o2 = _rotate_half(x1, x2, c[None, :], s[None, :], dt)
         obase = out_ptr + t * stride_ot + h[:, None] * stride_oh
         tl.store(obase + i[None, :], o1, mask=m)
         tl.store(obase + HALF + i[None, :], o2, mask=m)
@@ -204,8 +216,7 @@ def _qk_norm_rope_kernel(
     pos = tl.load(pos_ptr + t).to(tl.int64)
     c = tl.load(cos_ptr + pos * stride_c + i, mask=im, other=0.0).to(dt).to(tl.float32)
     s = tl.load(sin_ptr + pos * stride_c + i, mask=im, other=0.0).to(dt).to(tl.float32)
-    o1 = ((x1 * c).to(dt).to(tl.float32) + (-x2 * s).to(dt).to(tl.float32)).to(dt)
-    o2 = ((x2 * c).to(dt).to(tl.float32) + (x1 * s).to(dt).to(tl.float32)).to(dt)
+    o1, o2 = _rotate_half(x1, x2, c, s, dt)
     tl.store(dst + i, o1, mask=im)
     tl.store(dst + HALF + i, o2, mask=im)
     if REST > 0:
@@ -218,10 +229,7 @@ def _qk_norm_rope_kernel(
 def _normed(src, w_ptr, cols, mask, rstd, ZERO_CENTERED: tl.constexpr, dt: tl.constexpr):
     """``_rmsnorm_kernel``'s output at ``cols`` of a row (rounded to dt), as fp32."""
     y = tl.load(src + cols, mask=mask, other=0.0).to(tl.float32) * rstd
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if ZERO_CENTERED:
-        return (y * (1.0 + w)).to(dt).to(tl.float32)
-    return (w * y.to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    return _weighted(y, tl.load(w_ptr + cols, mask=mask, other=0.0), ZERO_CENTERED, dt).to(tl.float32)
 
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
