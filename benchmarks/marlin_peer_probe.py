@@ -55,7 +55,8 @@ class Marlin:
             codes = torch.full((k * n // 8,), int.from_bytes(bytes([code * 17] * 4), "little", signed=True),
                                dtype=torch.int32, device="cuda")
             scales = torch.full((k // 16 * n,), scale, dtype=torch.uint8, device="cuda")
-        return {"codes": codes, "scales": scales, "g": torch.ones(1, dtype=torch.float32, device="cuda")}
+        # the global scale as vLLM hands it to the kernel for bf16 (nvfp4_marlin_process_global_scale: x 2^119)
+        return {"codes": codes, "scales": scales, "g": torch.full((1,), 2.0**119, dtype=torch.float32, device="cuda")}
 
     def plan(self, m: int, n: int, block: int) -> dict:
         """Routing buffers for ``m`` tokens in blocks of ``block`` (vLLM's moe_align layout)."""
@@ -66,8 +67,9 @@ class Marlin:
                                                                        device="cuda"),
                 "padded": torch.tensor([padded], dtype=torch.int32, device="cuda"),
                 "topk_w": torch.ones(m, dtype=torch.float32, device="cuda"),
-                "c_tmp": torch.empty(min(n * padded, self.sms * 4 * block * 256), dtype=torch.float32,
-                                     device="cuda")}
+                # (vLLM's moe_wna16_marlin_gemm: twice as much for blocks of 8)
+                "c_tmp": torch.empty(min(n * padded, self.sms * 4 * block * 256) * (2 if block == 8 else 1),
+                                     dtype=torch.float32, device="cuda")}
 
     def __call__(self, x: torch.Tensor, w: dict, plan: dict, out: torch.Tensor) -> torch.Tensor:
         m, k = x.shape
