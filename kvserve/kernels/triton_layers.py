@@ -341,3 +341,84 @@ def fp8_static_quant(x: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor:
         _fp8_static_quant_kernel[(triton.cdiv(n, block),)](x, inv_scale, out, n, BLOCK=block, num_warps=4,
                                                            **pdl.launch_options(x.device))
     return out.view(torch.float8_e4m3fn)
+
+
+SKINNY_MAX_ROWS = 64  # tokens up to which ``skinny_linear`` runs (decode steps; longer chunks: cuBLAS)
+SKINNY_MAX_N = 1024  # outputs at most (the GDN's b | a: 2 x value heads; a router's experts)
+_SKINNY_BN, _SKINNY_K_PER = 16, 256  # outputs a tile; K elements a split (about)
+_skinny_counts: dict[torch.device, torch.Tensor] = {}
+
+
+@triton.jit
+def _skinny_linear_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, m, n, k, k_per, stride_xm, stride_wn,
+                          stride_om, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                          IEEE: tl.constexpr, PDL: tl.constexpr):
+    """out[:m, tile] = x @ w[tile]^T, K cut into ``tl.num_programs(1)`` ranges of ``k_per``: each
+    range's fp32 sum goes to its slot of ``part``, and the tile's last range to arrive (``count``)
+    adds the slots in range order (8 at a time, the same tree every launch) and writes the tile."""
+    pdl.start(PDL)
+    tile = tl.program_id(0)
+    s = tl.program_id(1)
+    splits = tl.num_programs(1)
+    rm = tl.arange(0, BM)
+    rn = tile * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(s * k_per, tl.minimum(s * k_per + k_per, k), BK):
+        kk = k0 + rk
+        xt = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=(rm[:, None] < m) & (kk[None, :] < k),
+                     other=0.0)
+        wt = tl.load(w_ptr + rn.to(tl.int64)[:, None] * stride_wn + kk[None, :],
+                     mask=(rn[:, None] < n) & (kk[None, :] < k), other=0.0)
+        if IEEE:
+            acc = tl.dot(xt, tl.trans(wt), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(xt, tl.trans(wt), acc)
+    at = out_ptr + rm[:, None] * stride_om + rn[None, :]
+    ok = (rm[:, None] < m) & (rn[None, :] < n)
+    if splits == 1:
+        tl.store(at, acc.to(out_ptr.dtype.element_ty), mask=ok)
+    else:
+        tiles = tl.num_programs(0)
+        cell = rm[:, None] * BN + tl.arange(0, BN)[None, :]
+        tl.store(part_ptr + (s * tiles + tile) * (BM * BN) + cell, acc)
+        tl.debug_barrier()
+        if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == splits - 1:
+            total = tl.zeros([BM, BN], dtype=tl.float32)
+            r8 = tl.arange(0, 8)
+            for q0 in range(0, SPLITS_PAD, 8):
+                q = q0 + r8
+                slots = part_ptr + (q[:, None, None] * tiles + tile) * (BM * BN) + cell[None, :, :]
+                total += tl.sum(tl.load(slots, mask=(q < splits)[:, None, None], other=0.0, cache_modifier=".cg"),
+                                axis=0)
+            tl.atomic_xchg(count_ptr + tile, 0)  # ready for the next launch
+            tl.store(at, total.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, weight)`` for a few rows and outputs (x [M <= SKINNY_MAX_ROWS, K], weight [N <=
+    SKINNY_MAX_N, K], both with contiguous rows; a decode step's b | a projection): K split over
+    enough programs to read the weight at once, the splits' fp32 sums added in a fixed order by
+    each tile's last program, one launch with PDL. cuBLAS takes a GEMM and a split-K reduction
+    for it (two launches, neither with PDL). fp32 multiplies in IEEE fp32 (no TF32)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    assert m <= SKINNY_MAX_ROWS and n <= SKINNY_MAX_N and weight.shape[1] == k, (tuple(x.shape), tuple(weight.shape))
+    assert x.stride(1) == 1 and weight.stride(1) == 1 and x.dtype == weight.dtype
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    bm, bk = max(16, triton.next_power_of_2(m)), 64 if x.dtype != torch.float32 else 32
+    k_per = triton.cdiv(triton.cdiv(k, max(1, triton.cdiv(k, _SKINNY_K_PER))), bk) * bk
+    tiles, splits = triton.cdiv(n, _SKINNY_BN), triton.cdiv(k, k_per)
+    count = _skinny_counts.get(x.device)
+    if count is None:
+        count = _skinny_counts[x.device] = torch.zeros(triton.cdiv(SKINNY_MAX_N, _SKINNY_BN), dtype=torch.int32,
+                                                       device=x.device)
+    part = torch.empty(splits * tiles * bm * _SKINNY_BN if splits > 1 else 1, dtype=torch.float32, device=x.device)
+    _skinny_linear_kernel[(tiles, splits)](
+        x, weight, out, part, count, m, n, k, k_per, x.stride(0), weight.stride(0), out.stride(0),
+        BM=bm, BN=_SKINNY_BN, BK=bk, SPLITS_PAD=triton.cdiv(splits, 8) * 8, IEEE=x.dtype == torch.float32,
+        num_warps=4, **pdl.launch_options(x.device),
+    )
+    return out
