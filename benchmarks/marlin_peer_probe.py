@@ -50,7 +50,7 @@ class Marlin:
         ``code`` and every scale byte ``scale``."""
         if code is None:
             codes = torch.randint(-2**31, 2**31 - 1, (k * n // 8,), dtype=torch.int32, device="cuda")
-            scales = torch.randint(0, 120, (k // 16 * n,), dtype=torch.uint8, device="cuda")
+            scales = torch.randint(0x80, 0xC0, (k // 16 * n,), dtype=torch.uint8, device="cuda")
         else:
             codes = torch.full((k * n // 8,), int.from_bytes(bytes([code * 17] * 4), "little", signed=True),
                                dtype=torch.int32, device="cuda")
@@ -100,6 +100,7 @@ def main() -> int:
     ap.add_argument("--lib", required=True)
     ap.add_argument("--batches", default="1,8,16,32,64,128,256")
     ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--check-only", action="store_true", help="only the reduction check")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     marlin = Marlin(a.lib)
@@ -109,7 +110,8 @@ def main() -> int:
     for name in a.shapes.split(","):
         n, k = SHAPES[name]
         # the check: all codes 1.0, all scales one byte -> y[m, n] = c * sum_k x[m, k] for every n
-        w1 = marlin.weight(n, k, code=2, scale=0x38)
+        # (a scale byte is bits 14-7 of fp16(s * 2^7), vLLM's nvfp4_marlin_process_scales: 0xB0 is s = 1)
+        w1 = marlin.weight(n, k, code=2, scale=0xB0)
         for m, block in ((1, 8), (16, 16), (32, 48), (256, 64)):
             x = (torch.rand(m, k, generator=gen) + 0.5).to(torch.bfloat16).cuda()
             y = marlin(x, w1, marlin.plan(m, n, block), torch.full((m, n), float("nan"), dtype=torch.bfloat16,
@@ -121,6 +123,8 @@ def main() -> int:
             print(f"check {name} m {m} block {block}: y / rowsum(x) = {float(ratio.mean()):.4g}, spread {spread}",
                   flush=True)
         del w1
+        if a.check_only:
+            continue
         wt = (torch.randn(n, k, generator=gen) * 0.02).to(torch.bfloat16)
         packed, block_scale, s2 = (t.cuda() for t in quantize_nvfp4(wt))
         wd = dequantize_nvfp4(packed, block_scale, s2, torch.bfloat16)
