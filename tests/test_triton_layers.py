@@ -1,8 +1,7 @@
 """The fused Triton layer kernels (kernels/triton_layers.py) against their torch twins in layers/:
 RMSNorm and the zero-centred RMSNorm (plain, with residual, per head over a strided q view), rotary
-(full and partial), SiLU-and-mul, the sigmoid output gate, the FP8 static activation
-quantisation and the skinny split-K GEMM, bf16 and fp16 (fp32 for the function), on fresh random
-inputs. CPU: interpreter."""
+(full and partial), SiLU-and-mul, the sigmoid output gate and the FP8 static activation
+quantisation, bf16 and fp16 (fp32 for the function), on fresh random inputs. CPU: interpreter."""
 
 from __future__ import annotations
 
@@ -292,55 +291,3 @@ def test_fused_output_gate_in_a_hybrid_engine(make_tiny_model, one_thread):
     llm.generate([prompt], sp, use_tqdm=False)
     assert len(seen) == 2 and seen[0].shape[0] == 37
     _close(seen[0], seen[1])
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m,n,k", [(1, 96, 5120), (32, 96, 5120), (64, 256, 2048), (7, 17, 300), (3, 1, 64)])
-def test_skinny_linear_within_the_float64_bound(dtype, m, n, k):
-    """The split-K GEMM (the 27B's b | a: 96 x 5120; ragged tiles and splits; one split) against float64:
-    |y - ref| <= one rounding of the output + the fp32 accumulation bound k 2^-24 sum |x| |w|. Its
-    output memory is poisoned (NaN left in the allocator's block), and a second call (the tile
-    counters back at zero) gives the same bits."""
-    from kvserve.kernels import triton_layers
-
-    g = torch.Generator().manual_seed(m * 1000 + n + k)
-    x = torch.randn(m, k, generator=g).to(DEV, dtype)
-    w = (torch.randn(n, k, generator=g) * 0.05).to(DEV, dtype)
-    ref = x.double() @ w.double().T
-    bound = torch.finfo(dtype).eps * ref.abs() + k * 2.0**-24 * (x.double().abs() @ w.double().abs().T) + 1e-30
-    outs = []
-    for _ in range(2):
-        torch.full((m, n), float("nan"), dtype=dtype, device=DEV)  # freed: the output's block holds NaN
-        outs.append(triton_layers.skinny_linear(x, w))
-    assert bool(((outs[0].double() - ref).abs() <= bound).all()), float(((outs[0].double() - ref).abs() / bound).max())
-    assert torch.equal(outs[0], outs[1])
-
-
-def test_skinny_linear_takes_the_gdn_b_a_projection_in_a_hybrid_engine(make_tiny_model, one_thread, monkeypatch):
-    """bf16 Qwen3.5 model, triton backend: the runner switches the GDN layers' fused b | a on, the
-    engine's steps run it (prefill of 37 tokens and decodes), and it matches the layer's cuBLAS / torch
-    GEMM within the float64 bound of the test above; longer inputs keep the layer."""
-    from kvserve import LLM, SamplingParams
-    from kvserve.kernels import triton_layers
-    from kvserve.layers.gdn import GatedDeltaNet
-
-    calls = []
-    skinny = triton_layers.skinny_linear
-    monkeypatch.setattr(triton_layers, "skinny_linear", lambda x, w: calls.append(x.shape[0]) or skinny(x, w))
-    llm = LLM(str(make_tiny_model("qwen3_5")), dtype="bfloat16", attention_backend="triton", kv_cache_memory=1 << 22,
-              max_num_seqs=2, enable_prefix_caching=False)
-    gdn = next(m for m in llm.llm_engine.runner.model.modules() if isinstance(m, GatedDeltaNet))
-    assert gdn.fused
-    sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": list(range(3, 40))}], sp, use_tqdm=False)
-    assert 37 in calls and 1 in calls
-    g = torch.Generator().manual_seed(7)
-    for t in (5, triton_layers.SKINNY_MAX_ROWS + 1):
-        x = torch.randn(t, gdn.hidden_size, generator=g).to(gdn.in_proj_ba.weight.device, torch.bfloat16)
-        calls.clear()
-        with torch.no_grad():
-            got, ref = gdn._ba(x), x.double() @ gdn.in_proj_ba.weight.double().T
-        assert calls == ([t] if t <= triton_layers.SKINNY_MAX_ROWS else [])
-        w = gdn.in_proj_ba.weight.double()
-        bound = torch.finfo(torch.bfloat16).eps * ref.abs() + x.shape[1] * 2.0**-24 * (x.double().abs() @ w.abs().T)
-        assert bool(((got.double() - ref).abs() <= bound + 1e-30).all())

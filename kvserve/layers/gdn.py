@@ -102,7 +102,6 @@ class GatedDeltaNet(nn.Module):
         self.conv_state: torch.Tensor | None = None  # [num_slots, conv_dim, W - 1], bound by the runner
         self.ssm_state: torch.Tensor | None = None  # [num_slots, HV, K, V] float32
         self.backend = "reference"
-        self.fused = False  # b | a of a decode step by one Triton kernel (kernels/triton_layers.py), set by the runner
 
     def state_shapes(self) -> tuple[tuple[int, int], tuple[int, int, int]]:
         """Per-sequence (conv state, SSM state) shapes: ((conv_dim, W - 1), (HV, K, V))."""
@@ -119,30 +118,18 @@ class GatedDeltaNet(nn.Module):
         self.ssm_state = ssm_state
         self.backend = backend
 
-    def _ba(self, x: torch.Tensor) -> torch.Tensor:
-        """The b | a projection: with ``fused``, an unquantized layer and a decode step's few rows, the
-        skinny Triton GEMM (``triton_layers.skinny_linear``: one launch instead of cuBLAS's GEMM and
-        split-K reduction); else the layer."""
-        layer = self.in_proj_ba
-        if self.fused and type(layer) is nn.Linear and layer.weight.dtype == x.dtype and x.stride(-1) == 1:
-            from kvserve.kernels import triton_layers
-
-            if x.shape[0] <= triton_layers.SKINNY_MAX_ROWS and layer.weight.shape[0] <= triton_layers.SKINNY_MAX_N:
-                return triton_layers.skinny_linear(x, layer.weight)
-        return layer(x)
-
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> mixed q|k|v [T, conv_dim] (conv channel order), z [T, HV, V], b [T, HV], a [T, HV]."""
         t = x.shape[0]
         if not self.grouped_layout:  # views of the two outputs
             mixed, z = self.in_proj_qkvz(x).split(self.qkvz_sizes, dim=-1)
-            b, a = self._ba(x).split(self.ba_sizes, dim=-1)
+            b, a = self.in_proj_ba(x).split(self.ba_sizes, dim=-1)
             return mixed, z.view(t, self.num_v_heads, self.head_v_dim), b, a
         r = self.num_v_heads // self.num_k_heads
         k_dim, rv = self.head_k_dim, r * self.head_v_dim
         qkvz = self.in_proj_qkvz(x).view(t, self.num_k_heads, 2 * k_dim + 2 * rv)
         q, k, v, z = qkvz.split([k_dim, k_dim, rv, rv], dim=-1)
-        b, a = self._ba(x).view(t, self.num_k_heads, 2 * r).split([r, r], dim=-1)
+        b, a = self.in_proj_ba(x).view(t, self.num_k_heads, 2 * r).split([r, r], dim=-1)
         mixed = torch.cat((q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)), dim=-1)
         z = z.reshape(t, self.num_v_heads, self.head_v_dim)
         return mixed, z, b.reshape(t, self.num_v_heads), a.reshape(t, self.num_v_heads)
