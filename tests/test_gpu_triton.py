@@ -120,3 +120,35 @@ def test_w4a16_graphs_equal_eager_bf16(make_tiny_model, tmp_path):
                            hidden_size=256, head_dim=128)
     eager = _tokens(_llm(folder, dtype="bfloat16", enforce_eager=True))
     assert _tokens(_llm(folder, dtype="bfloat16")) == eager
+
+
+def test_fp8_layers_take_their_inputs_from_the_gate_and_norm_kernels(make_tiny_model, tmp_path, monkeypatch):
+    """A MIXED_PRECISION export of a tiny Qwen3.5 (the 27B's recipe: attention and GDN projections
+    FP8) on the triton backend, bf16: the gated attention's output gate and the GDN's gated norm
+    write their FP8 o_proj / out_proj's quantized input themselves (fewer quantiser launches), and
+    the tokens are those of the same engine with the two-launch chain patched back in."""
+    from kvserve.kernels import triton_layers
+    from kvserve.layers.gdn import GatedDeltaNet
+    from kvserve.layers.quant_linear import FP8Linear
+    from kvserve.models.qwen3_next import GatedAttentionBlock
+    from kvserve.tools.modelopt_export import export_modelopt
+
+    folder = export_modelopt(make_tiny_model("qwen3_5", seed=3), tmp_path / "mixed", "MIXED_PRECISION",
+                             kv_cache_quant_algo=None, calibration_tokens=32)
+    calls = []
+    quant = triton_layers.fp8_static_quant
+    monkeypatch.setattr(triton_layers, "fp8_static_quant", lambda x, inv: calls.append(1) or quant(x, inv))
+    llm = _llm(folder, dtype="bfloat16", enforce_eager=True)
+    mods = list(llm.llm_engine.runner.model.modules())
+    assert any(isinstance(m, GatedDeltaNet) and isinstance(m.out_proj, FP8Linear) for m in mods)
+    assert any(isinstance(m, GatedAttentionBlock) and isinstance(m.o_proj, FP8Linear) and m.fused for m in mods)
+    fused, fused_calls = _tokens(llm), len(calls)
+    del llm
+    monkeypatch.setattr(GatedDeltaNet, "_norm_and_project",
+                        lambda self, out, z, dtype: self.out_proj(self.norm(out, z).reshape(out.shape[0], -1)))
+    monkeypatch.setattr(GatedAttentionBlock, "_gate_and_project",
+                        lambda self, out, gate, dtype: self.o_proj(triton_layers.sigmoid_gate(out, gate)))
+    calls.clear()
+    chain = _tokens(_llm(folder, dtype="bfloat16", enforce_eager=True))
+    assert fused == chain
+    assert 0 < fused_calls < len(calls)

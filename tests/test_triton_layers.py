@@ -1,7 +1,8 @@
 """The fused Triton layer kernels (kernels/triton_layers.py) against their torch twins in layers/:
 RMSNorm and the zero-centred RMSNorm (plain, with residual, per head over a strided q view), rotary
 (full and partial), SiLU-and-mul, the sigmoid output gate and the FP8 static activation
-quantisation, bf16 and fp16 (fp32 for the function), on fresh random inputs. CPU: interpreter."""
+quantisation (alone, and written by the gated norm and the output gate for an FP8 layer), bf16 and
+fp16 (fp32 for the function), on fresh random inputs. CPU: interpreter."""
 
 from __future__ import annotations
 
@@ -291,3 +292,77 @@ def test_fused_output_gate_in_a_hybrid_engine(make_tiny_model, one_thread):
     llm.generate([prompt], sp, use_tqdm=False)
     assert len(seen) == 2 and seen[0].shape[0] == 37
     _close(seen[0], seen[1])
+
+
+def _fp8_inputs(g: torch.Generator, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Random values with a NaN and a few large ones (quantized past +-448: the clamp)."""
+    x = torch.randn(shape, generator=g) * 3
+    x.view(-1)[5] = float("nan")
+    x.view(-1)[7:11] = torch.tensor([1e4, -1e4, 700.0, -0.0])
+    return x.to(DEV, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(3, 4, 64), (9, 48, 128)])
+def test_gated_rms_norm_writes_the_fp8_quantisers_codes(dtype, shape):
+    """With ``inv_scale`` the gated norm writes the float8 codes that ``fp8_static_quant`` makes of
+    its own output, bit for bit (NaN rows and saturated values included), in one launch."""
+    from kvserve.kernels import triton_layers
+
+    g = torch.Generator().manual_seed(shape[1])
+    x, z = _fp8_inputs(g, shape, dtype), (torch.randn(shape, generator=g) * 2).to(DEV, dtype)
+    w = (torch.rand(shape[-1], generator=g) + 0.5).to(DEV, dtype)
+    inv = torch.tensor(60.0, device=DEV)
+    out = triton_layers.gated_rms_norm(x, z, w, 1e-6)
+    want = triton_layers.fp8_static_quant(out, inv)
+    got = triton_layers.gated_rms_norm(x, z, w, 1e-6, inv)
+    assert got.dtype == torch.float8_e4m3fn and got.shape == shape
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    assert bool(got.float().isnan().any()) and float(got.float().nan_to_num().abs().max()) == 448.0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sigmoid_gate_writes_the_fp8_quantisers_codes(dtype):
+    """The output gate's fp8 variant: ``fp8_static_quant`` of its own output, bit for bit."""
+    from kvserve.kernels import triton_layers
+
+    g = torch.Generator().manual_seed(11)
+    t, heads, head = 7, 6, 64
+    x = _fp8_inputs(g, (t, heads * head), dtype)
+    gate = (torch.randn(t, heads, 2 * head, generator=g) * 2).to(DEV, dtype)[..., head:]  # strided, as in the block
+    inv = torch.tensor(0.5, device=DEV)
+    want = triton_layers.fp8_static_quant(triton_layers.sigmoid_gate(x, gate), inv)
+    got = triton_layers.sigmoid_gate(x, gate, inv)
+    assert got.dtype == torch.float8_e4m3fn and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+def test_gdn_hands_an_fp8_out_proj_the_fused_norms_codes(monkeypatch):
+    """A GDN layer whose out_proj is an FP8 layer: with the fused norm, the norm's launch writes the
+    quantized input (the layer's own quantiser is not called) and the projection's output is the
+    unfused chain's, bit for bit; without it, the layer quantizes as before."""
+    from types import SimpleNamespace
+
+    from kvserve.kernels import triton_layers
+    from kvserve.layers.gdn import GatedDeltaNet
+    from kvserve.layers.quant_linear import FP8Linear
+
+    cfg = SimpleNamespace(hidden_size=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                          linear_value_head_dim=32, linear_conv_kernel_dim=4, rms_norm_eps=1e-6, hidden_act="silu")
+    gdn = GatedDeltaNet(cfg, 0, grouped_layout=False).to(DEV, torch.bfloat16)
+    g = torch.Generator().manual_seed(3)
+    proj = FP8Linear(gdn.value_dim, 64, bias=False)
+    with torch.no_grad():
+        proj.weight.copy_((torch.randn(64, gdn.value_dim, generator=g) * 100).to(torch.float8_e4m3fn))
+        proj.weight_scale.fill_(1e-3)
+        proj.input_scale.fill_(0.02)
+        gdn.norm.weight.copy_(torch.rand(32, generator=g) + 0.5)
+    proj.finalize()
+    gdn.out_proj = proj.to(DEV)
+    out = (torch.randn(5, 4, 32, generator=g) * 2).to(DEV, torch.bfloat16)
+    z = torch.randn(5, 4, 32, generator=g).to(DEV, torch.bfloat16)
+    gdn.norm.fused = True
+    want = proj(triton_layers.gated_rms_norm(out, z, gdn.norm.weight, gdn.eps).reshape(5, gdn.value_dim))
+    quantiser = []
+    monkeypatch.setattr(triton_layers, "fp8_static_quant", lambda *a: quantiser.append(1))
+    got = gdn._norm_and_project(out, z, torch.bfloat16)
+    assert not quantiser and got.dtype == torch.bfloat16 and torch.equal(got, want)

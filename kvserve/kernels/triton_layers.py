@@ -39,6 +39,15 @@ def _rotate_half(x1, x2, c, s, dt: tl.constexpr):
 
 
 @triton.jit
+def _fp8_static(v, inv):
+    """``quantize_fp8_static`` of v (fp32 holding a model-dtype value): e4m3(clamp(v * inv, +-448)),
+    round to nearest even, NaN kept (torch's clamp), as uint8 bits."""
+    v = v * inv
+    v = tl.where(v != v, v, tl.minimum(tl.maximum(v, -448.0), 448.0))
+    return v.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+
+
+@triton.jit
 def _rmsnorm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     heads, stride_xt, stride_xh, stride_rt, stride_ot, stride_oh, stride_rot,
@@ -97,9 +106,11 @@ def rms_norm(
 
 
 @triton.jit
-def _gated_rmsnorm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, num_rows, rows_per_t, stride_xt, stride_zt, stride_ot, n,
-                          eps, BLOCK: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr):
-    """ROWS rows (value heads) of ``w * norm(x) * silu(z)``: x[t, h, :n], z[t, h, :n] (heads contiguous)."""
+def _gated_rmsnorm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, inv_ptr, num_rows, rows_per_t, stride_xt, stride_zt,
+                          stride_ot, n, eps, BLOCK: tl.constexpr, ROWS: tl.constexpr, FP8: tl.constexpr,
+                          PDL: tl.constexpr):
+    """ROWS rows (value heads) of ``w * norm(x) * silu(z)``: x[t, h, :n], z[t, h, :n] (heads contiguous);
+    FP8: written quantized by the static scale at ``inv_ptr`` (the model-dtype value, then ``_fp8_static``)."""
     pdl.start(PDL)
     r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     t, h = r // rows_per_t, r % rows_per_t
@@ -112,22 +123,29 @@ def _gated_rmsnorm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, num_rows, rows_per_t, st
     w = tl.load(w_ptr + cols, mask=cols < n, other=0.0)
     p = (w[None, :].to(tl.float32) * y.to(tl.float32)).to(x.dtype)  # the model-dtype product, as torch
     z = tl.load(z_ptr + (t * stride_zt + h * n)[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
-    out = p.to(tl.float32) * (z / (1.0 + tl.exp(-z)))
-    tl.store(out_ptr + (t * stride_ot + h * n)[:, None] + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=m)
+    out = (p.to(tl.float32) * (z / (1.0 + tl.exp(-z)))).to(x.dtype)
+    if FP8:
+        out = _fp8_static(out.to(tl.float32), tl.load(inv_ptr))
+    tl.store(out_ptr + (t * stride_ot + h * n)[:, None] + cols[None, :], out, mask=m)
 
 
-def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``gdn_reference.gated_rms_norm``: x, z [T, H, n] with contiguous heads (row strides free)."""
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
+                   inv_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``gdn_reference.gated_rms_norm``: x, z [T, H, n] with contiguous heads (row strides free). With
+    ``inv_scale`` (1-element fp32, an FP8 layer's inverse input scale) the float8_e4m3fn codes that
+    ``fp8_static_quant`` makes of that output, written by the same launch."""
     T, H, n = x.shape
     assert z.shape == x.shape and x.stride(1) == z.stride(1) == n and x.stride(2) == z.stride(2) == 1
-    out = torch.empty((T, H, n), dtype=x.dtype, device=x.device)
+    fp8 = inv_scale is not None
+    out = torch.empty((T, H, n), dtype=torch.uint8 if fp8 else x.dtype, device=x.device)
     if T * H:
         rows = 4
         _gated_rmsnorm_kernel[(triton.cdiv(T * H, rows),)](
-            x, z, weight.contiguous(), out, T * H, H, x.stride(0), z.stride(0), out.stride(0), n, float(eps),
-            BLOCK=triton.next_power_of_2(n), ROWS=rows, num_warps=4, **pdl.launch_options(x.device),
+            x, z, weight.contiguous(), out, inv_scale if fp8 else weight, T * H, H, x.stride(0), z.stride(0),
+            out.stride(0), n, float(eps), BLOCK=triton.next_power_of_2(n), ROWS=rows, FP8=fp8, num_warps=4,
+            **pdl.launch_options(x.device),
         )
-    return out
+    return out.view(torch.float8_e4m3fn) if fp8 else out
 
 
 @triton.jit
@@ -286,10 +304,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _sigmoid_gate_kernel(x_ptr, g_ptr, out_ptr, n, head, stride_xt, stride_gt, stride_gh, stride_ot,
-                         BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _sigmoid_gate_kernel(x_ptr, g_ptr, out_ptr, inv_ptr, n, head, stride_xt, stride_gt, stride_gh, stride_ot,
+                         BLOCK: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
     """out[t] = x[t] * sigmoid(gate[t]) over token t's n = heads x head features, gate[t, h, d] read
-    through its strides; the sigmoid and the product each rounded to the model dtype, as torch."""
+    through its strides; the sigmoid and the product each rounded to the model dtype, as torch;
+    FP8: the product written quantized by the static scale at ``inv_ptr`` (``_fp8_static``)."""
     pdl.start(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -299,24 +318,29 @@ def _sigmoid_gate_kernel(x_ptr, g_ptr, out_ptr, n, head, stride_xt, stride_gt, s
     g = tl.load(g_ptr + t * stride_gt + h * stride_gh + (cols - h * head), mask=m, other=0.0).to(tl.float32)
     sig = (1.0 / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
     x = tl.load(x_ptr + t * stride_xt + cols, mask=m, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * stride_ot + cols, (x * sig).to(dt), mask=m)
+    out = (x * sig).to(dt)
+    if FP8:
+        out = _fp8_static(out.to(tl.float32), tl.load(inv_ptr))
+    tl.store(out_ptr + t * stride_ot + cols, out, mask=m)
 
 
-def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor, inv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``x * torch.sigmoid(gate.reshape(x.shape))`` for x [T, H * D] (rows contiguous) and the gate
     [T, H, D] as a strided view (last dim contiguous), e.g. the query's gate half of a gated attention
-    projection: one launch instead of a copy, the sigmoid and the product."""
+    projection: one launch instead of a copy, the sigmoid and the product. With ``inv_scale`` (as
+    ``gated_rms_norm``'s) the float8_e4m3fn codes ``fp8_static_quant`` makes of it, same launch."""
     t, n = x.shape
     heads, head = gate.shape[1:]
     assert gate.shape[0] == t and heads * head == n and x.stride(1) == 1 and gate.stride(2) == 1
-    out = torch.empty((t, n), dtype=x.dtype, device=x.device)
+    fp8 = inv_scale is not None
+    out = torch.empty((t, n), dtype=torch.uint8 if fp8 else x.dtype, device=x.device)
     if t:
         block = min(1024, triton.next_power_of_2(n))
         _sigmoid_gate_kernel[(t, triton.cdiv(n, block))](
-            x, gate, out, n, head, x.stride(0), gate.stride(0), gate.stride(1), out.stride(0), BLOCK=block,
-            num_warps=4, **pdl.launch_options(x.device),
+            x, gate, out, inv_scale if fp8 else x, n, head, x.stride(0), gate.stride(0), gate.stride(1),
+            out.stride(0), BLOCK=block, FP8=fp8, num_warps=4, **pdl.launch_options(x.device),
         )
-    return out
+    return out.view(torch.float8_e4m3fn) if fp8 else out
 
 
 @triton.jit
@@ -325,9 +349,8 @@ def _fp8_static_quant_kernel(x_ptr, inv_ptr, out_ptr, n, BLOCK: tl.constexpr, PD
     pdl.start(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
-    v = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32) * tl.load(inv_ptr)
-    v = tl.where(v != v, v, tl.minimum(tl.maximum(v, -448.0), 448.0))
-    tl.store(out_ptr + offs, v.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True), mask=m)
+    tl.store(out_ptr + offs, _fp8_static(tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32), tl.load(inv_ptr)),
+             mask=m)
 
 
 def fp8_static_quant(x: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor:

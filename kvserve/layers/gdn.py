@@ -34,11 +34,14 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
         self.fused = False  # one Triton kernel (kernels/triton_layers.py), set by the model runner
 
-    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, z: torch.Tensor, inv_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """``inv_scale`` (fused only): the output as the float8_e4m3fn codes an FP8 layer's static
+        quantiser makes of it (``FP8Linear.forward_fp8``), one launch for both."""
         if self.fused:
             from kvserve.kernels import triton_layers
 
-            return triton_layers.gated_rms_norm(x, z, self.weight, self.eps)
+            return triton_layers.gated_rms_norm(x, z, self.weight, self.eps, inv_scale)
+        assert inv_scale is None, "a quantized output needs the fused kernel"
         return gdn.gated_rms_norm(x, z, self.weight, self.eps)
 
 
@@ -162,6 +165,15 @@ class GatedDeltaNet(nn.Module):
             q, k, v, a, b, self.A_log, self.dt_bias, self.ssm_state, qsl, slots, has
         )
 
+    def _norm_and_project(self, out: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``out_proj(norm(out, z))``; an FP8 ``out_proj`` (``forward_fp8``) gets its quantized input
+        from the fused norm's own launch instead of its quantiser's."""
+        t = out.shape[0]
+        if self.norm.fused and hasattr(self.out_proj, "forward_fp8"):
+            xq = self.norm(out, z, self.out_proj.inv_input_scale)
+            return self.out_proj.forward_fp8(xq.reshape(t, self.value_dim), dtype)
+        return self.out_proj(self.norm(out, z).reshape(t, self.value_dim))
+
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """x: [T, hidden] (sequences contiguous, ``meta.query_lens`` tokens each) -> [T, hidden]."""
         assert self.conv_state is not None and self.ssm_state is not None, "GDN state not bound"
@@ -170,7 +182,7 @@ class GatedDeltaNet(nn.Module):
         weight = self.conv1d.weight.squeeze(1)
         if self.backend == "triton":
             out = self._forward_triton(mixed, weight, a, b, meta)
-            return self.out_proj(self.norm(out, z).reshape(x.shape[0], self.value_dim))
+            return self._norm_and_project(out, z, x.dtype)
         g, beta = gdn.gdn_gates(self.A_log, a, self.dt_bias, b)
         out = torch.empty(x.shape[0], self.num_v_heads, self.head_v_dim, dtype=x.dtype, device=x.device)
         start = 0

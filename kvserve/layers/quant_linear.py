@@ -140,11 +140,15 @@ class FP8Linear(nn.Module):
             xq = fp8_static_quant(x2.contiguous(), self.inv_input_scale)
         else:
             xq = quantize_fp8_static(x2, self.inv_input_scale)
-        y = torch._scaled_mm(xq, self.weight.t(),
-                             scale_a=self.input_scale, scale_b=self.weight_scale, out_dtype=x.dtype)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*x.shape[:-1], self.out_features)
+        return self.forward_fp8(xq, x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def forward_fp8(self, xq: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """The GEMM on an input already quantized by this layer's static scale (``inv_input_scale``):
+        xq [M, in] float8_e4m3fn -> [M, out]. A producer kernel that writes the quantiser's codes
+        itself (``triton_layers.gated_rms_norm`` / ``sigmoid_gate`` with ``inv_scale``) saves its launch."""
+        y = torch._scaled_mm(xq, self.weight.t(), scale_a=self.input_scale, scale_b=self.weight_scale,
+                             out_dtype=out_dtype)
+        return y + self.bias if self.bias is not None else y
 
     def init_dummy(self, gen: torch.Generator) -> None:
         """``--load-format dummy``: random fp8 codes within +-448 at scale 1e-3 / 448 (weights within

@@ -154,12 +154,19 @@ class GatedAttentionBlock(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_size)
         v = v.view(t, self.num_kv_heads, self.head_size)
         q, k = self.rotary_emb.norm_and_rotate(positions, q, k, self.q_norm, self.k_norm)
-        out = self.attn(q, k, v, meta)
+        return self._gate_and_project(self.attn(q, k, v, meta), gate, x.dtype)
+
+    def _gate_and_project(self, out: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``o_proj(out * sigmoid(gate))`` for out [T, Hq * D] (``Attention.forward``) and the gate
+        [T, Hq, D] view; fused, one Triton kernel for the gate, which also writes an FP8 o_proj's
+        quantized input (``forward_fp8``) instead of its quantiser's launch."""
         if self.fused:
             from kvserve.kernels.triton_layers import sigmoid_gate
 
-            return self.o_proj(sigmoid_gate(out, gate))  # out: [T, Hq * D] (Attention.forward)
-        return self.o_proj(out * torch.sigmoid(gate.reshape(t, self.q_size)))
+            if hasattr(self.o_proj, "forward_fp8"):
+                return self.o_proj.forward_fp8(sigmoid_gate(out, gate, self.o_proj.inv_input_scale), dtype)
+            return self.o_proj(sigmoid_gate(out, gate))
+        return self.o_proj(out * torch.sigmoid(gate.reshape(out.shape[0], self.q_size)))
 
 
 class Experts(nn.Module):
