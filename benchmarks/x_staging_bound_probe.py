@@ -27,7 +27,8 @@ a = ap.parse_args()
 if not a.child:
     rows = {}
     for variant in ("default", "no_x_copy"):
-        cmd = [sys.executable, __file__, "--child", "--out", a.out + f".{variant}"] + (["--no-x-copy"] * (variant != "default"))
+        cmd = [sys.executable, __file__, "--child", "--out", a.out + f".{variant}"]
+        cmd += ["--no-x-copy"] if variant != "default" else []
         subprocess.run(cmd, check=True)
         rows[variant] = json.load(open(a.out + f".{variant}"))
     doc = {"run": common.run_info("x_staging_bound_probe", sys.argv[1:], False), "rows": []}
