@@ -4,8 +4,9 @@ Hopper, timed beside kvserve's W4A16 GEMM and bf16 cuBLAS on the 27B's MLP shape
 
 The peer is vLLM's ``marlin_moe_wna16`` kernel as vllm.cpp vendors it torch-free (github
 mudler/vllm.cpp d85906a, ``src/vt/cuda/marlin``: vLLM's kernel at e24d1b24, shown bit-exact there
-against vLLM's own op), built on the device with its nvcc (``devcarry/marlin/build.sh``), called
-through a C entry point (``devcarry/marlin/peer_api.cu``) with one expert that every token is
+against vLLM's own op; copied to ``devcarry/marlin/src``), built on the device with its nvcc
+(``benchmarks/marlin_peer/build.sh`` and ``peer_api.cu`` copied beside it, in devcarry/marlin), called
+through that C entry point with one expert that every token is
 routed to, i.e. a dense NVFP4 GEMM; vLLM's dense layers call the dense twin of the same template
 (``gptq_marlin_gemm``). Every MoE block size (8-64 rows) is timed and the best reported, with the one
 vLLM's heuristic would pick. Its weights are random bytes of the right sizes (timing only); a
