@@ -338,8 +338,8 @@ def test_sigmoid_gate_writes_the_fp8_quantisers_codes(dtype):
 
 def test_gdn_hands_an_fp8_out_proj_the_fused_norms_codes(monkeypatch):
     """A GDN layer whose out_proj is an FP8 layer: with the fused norm, the norm's launch writes the
-    quantized input (the layer's own quantiser is not called) and the projection's output is the
-    unfused chain's, bit for bit; without it, the layer quantizes as before."""
+    quantized input and the projection's output is the unfused chain's, bit for bit (on a GPU the
+    chain's Triton quantiser is not called; on the CPU the layer quantizes with torch's formula)."""
     from types import SimpleNamespace
 
     from kvserve.kernels import triton_layers

@@ -137,6 +137,7 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     T, H, n = x.shape
     assert z.shape == x.shape and x.stride(1) == z.stride(1) == n and x.stride(2) == z.stride(2) == 1
     fp8 = inv_scale is not None
+    assert not fp8 or (inv_scale.numel() == 1 and inv_scale.dtype == torch.float32), "inv_scale: one fp32 value"
     out = torch.empty((T, H, n), dtype=torch.uint8 if fp8 else x.dtype, device=x.device)
     if T * H:
         rows = 4
@@ -333,6 +334,7 @@ def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor, inv_scale: torch.Tensor | 
     heads, head = gate.shape[1:]
     assert gate.shape[0] == t and heads * head == n and x.stride(1) == 1 and gate.stride(2) == 1
     fp8 = inv_scale is not None
+    assert not fp8 or (inv_scale.numel() == 1 and inv_scale.dtype == torch.float32), "inv_scale: one fp32 value"
     out = torch.empty((t, n), dtype=torch.uint8 if fp8 else x.dtype, device=x.device)
     if t:
         block = min(1024, triton.next_power_of_2(n))
