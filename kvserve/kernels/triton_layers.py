@@ -105,6 +105,14 @@ def rms_norm(
     return (out, res_out) if residual is not None else out
 
 
+def _output_buffer(shape: tuple[int, ...], x: torch.Tensor, inv_scale: torch.Tensor | None) -> torch.Tensor:
+    """The output of a kernel that may write an FP8 layer's quantized input: x's dtype, or uint8 codes
+    (viewed as float8_e4m3fn on return) when ``inv_scale`` (one fp32 value) is given."""
+    assert inv_scale is None or (inv_scale.numel() == 1 and inv_scale.dtype == torch.float32), (
+        "inv_scale: one fp32 value")
+    return torch.empty(shape, dtype=x.dtype if inv_scale is None else torch.uint8, device=x.device)
+
+
 @triton.jit
 def _gated_rmsnorm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, inv_ptr, num_rows, rows_per_t, stride_xt, stride_zt,
                           stride_ot, n, eps, BLOCK: tl.constexpr, ROWS: tl.constexpr, FP8: tl.constexpr,
@@ -137,8 +145,7 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     T, H, n = x.shape
     assert z.shape == x.shape and x.stride(1) == z.stride(1) == n and x.stride(2) == z.stride(2) == 1
     fp8 = inv_scale is not None
-    assert not fp8 or (inv_scale.numel() == 1 and inv_scale.dtype == torch.float32), "inv_scale: one fp32 value"
-    out = torch.empty((T, H, n), dtype=torch.uint8 if fp8 else x.dtype, device=x.device)
+    out = _output_buffer((T, H, n), x, inv_scale)
     if T * H:
         rows = 4
         _gated_rmsnorm_kernel[(triton.cdiv(T * H, rows),)](
@@ -334,8 +341,7 @@ def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor, inv_scale: torch.Tensor | 
     heads, head = gate.shape[1:]
     assert gate.shape[0] == t and heads * head == n and x.stride(1) == 1 and gate.stride(2) == 1
     fp8 = inv_scale is not None
-    assert not fp8 or (inv_scale.numel() == 1 and inv_scale.dtype == torch.float32), "inv_scale: one fp32 value"
-    out = torch.empty((t, n), dtype=torch.uint8 if fp8 else x.dtype, device=x.device)
+    out = _output_buffer((t, n), x, inv_scale)
     if t:
         block = min(1024, triton.next_power_of_2(n))
         _sigmoid_gate_kernel[(t, triton.cdiv(n, block))](
