@@ -140,8 +140,12 @@ class Impl:
     def _ref_attention(self, query, kv_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len,
                        max_seq_len, quant=None, out=None, num_splits=None):
         qsl = query_start_loc.tolist()
-        o = self.reference.paged_attention(query, kv_cache, block_tables, [b - a for a, b in zip(qsl, qsl[1:])],
-                                           seq_lens.tolist(), scale, quant=quant)
+        qlens = [b - a for a, b in zip(qsl, qsl[1:])]
+        if quant is not None and quant.query_fp8:
+            o = self.reference.paged_attention_fp8_query(query, kv_cache, block_tables, qlens, seq_lens.tolist(), scale,
+                                                         quant, 64)
+        else:
+            o = self.reference.paged_attention(query, kv_cache, block_tables, qlens, seq_lens.tolist(), scale, quant=quant)
         if out is None:
             return o
         out.copy_(o)
@@ -342,9 +346,24 @@ class Run:
     def randn(self, *shape, dtype=torch.bfloat16):
         return torch.randn(*shape, dtype=dtype, device=self.dev)
 
-    def quant(self):
+    def quant(self, query_fp8: bool = False):
+        """The fp8 pages' scales; ``query_fp8``: read with the quantized query, P x 2^8 (FLASH_ATTN)."""
         r = self.impl.reference
-        return r.CacheQuant(torch.float8_e4m3fn, 448.0, self.args.k_scale, self.args.v_scale, self.dev)
+        return r.CacheQuant(torch.float8_e4m3fn, 448.0, self.args.k_scale, self.args.v_scale, self.dev,
+                            query_fp8=query_fp8, p_shift=8)
+
+    def expect(self, q, pool, bt, qlens, slens, scale, quant, num_splits=1):
+        """The check's ground truth: the reference read, or the quantized-query twin with the
+        kernel's key tile and split-KV parts (``num_splits``)."""
+        r = self.impl.reference
+        if quant is not None and quant.query_fp8:
+            from kvserve.kernels.triton_attention import _tile_config
+
+            d = q.shape[-1]
+            tile = _tile_config(max(qlens), q.shape[1] // pool.shape[3], 1 << (d - 1).bit_length(), q.is_cuda, True,
+                                num_splits > 1, q.dtype == torch.float32)[1]
+            return r.paged_attention_fp8_query(q, pool, bt, qlens, slens, scale, quant, tile, num_splits=num_splits)
+        return r.paged_attention(q, pool, bt, qlens, slens, scale, quant=quant)
 
     # ---- setup
     def setup(self) -> None:
@@ -425,7 +444,10 @@ class Run:
         print(f"[pool] {need} blocks of {bs} tokens: bf16 + fp8 pools {gb:.1f} GB")
 
     def caches(self):
-        return (("bf16", self.pool["bf16"], None), ("fp8", self.pool["fp8"], self.quant()))
+        """bf16 pages; fp8 pages read dequantized (kvserve's triton); the same pages read with the
+        quantized query (fp8q: vLLM's FLASH_ATTN)."""
+        return (("bf16", self.pool["bf16"], None), ("fp8", self.pool["fp8"], self.quant()),
+                ("fp8q", self.pool["fp8"], self.quant(query_fp8=True)))
 
     # ---- b. store
     def bench_store(self) -> None:
@@ -437,12 +459,12 @@ class Run:
                 return
             key, value = self.randn(T, hk, d), self.randn(T, hk, d)
             slots = torch.randperm(self.pool_blocks * bs, device=self.dev)[:T]
-            for name, pool, quant in self.caches():
+            for name, pool, quant in self.caches()[:2]:
                 tag = f"store {name} T={T}"
                 try:
                     self._check_store(tag, key, value, name, quant)
                     t = self.timer.time(lambda: self.impl.store_kv(key, value, pool, slots, quant), "store")
-                    elem = 2 if name == "bf16" else 1
+                    elem = 2 if name == "bf16" else 1  # fp8, fp8q: one byte
                     nbytes = 2 * T * hk * d * 2 + 2 * T * hk * d * elem + T * 8
                     bw = self.gbps(nbytes, t["ms"])
                     row = {"tokens": T, "cache_dtype": name, "bytes": nbytes, **t, "GBps": bw, "pct_copy": self.pct(bw)}
@@ -494,12 +516,15 @@ class Run:
 
     # ---- e. prefill
     def bench_prefill(self) -> None:
+        """One sequence of T tokens, no cached context: ours over bf16 pages, fp8 pages read dequantized
+        and read with the quantized query (impl ours / ours_fp8 / ours_fp8q), and SDPA on the bf16
+        K / V (gqa and with K / V repeated)."""
         a = self.args
         hq, hk, d, bs = a.q_heads, a.kv_heads, a.head_dim, a.block_size
         scale = d ** -0.5
         ref = self.impl.reference
         F = torch.nn.functional
-        pool = self.pool["bf16"]
+        impl_of = {"bf16": "ours", "fp8": "ours_fp8", "fp8q": "ours_fp8q"}
         for T in a.prefill_tokens:
             if self.over_budget(f"prefill T={T}"):
                 return
@@ -509,18 +534,25 @@ class Run:
                 bt = torch.randperm(self.pool_blocks, device=self.dev)[:nblk].to(torch.int32).view(1, nblk)
                 k, v, q = self.randn(T, hk, d), self.randn(T, hk, d), self.randn(T, hq, d)
                 pos = torch.arange(T, device=self.dev)
-                ref.store_kv(k, v, pool, bt[0, pos // bs].long() * bs + pos % bs)
+                slots = bt[0, pos // bs].long() * bs + pos % bs
                 qsl = torch.tensor([0, T], dtype=torch.int32, device=self.dev)
                 sl = torch.tensor([T], dtype=torch.int32, device=self.dev)
                 out = torch.full_like(q, float("nan"))
+                fns = {}
+                for name, pool, quant in self.caches():
+                    ref.store_kv(k, v, pool, slots, quant)
 
-                def ours():
-                    return self.impl.paged_attention(q, pool, bt, qsl, sl, scale, T, T, out=out)
+                    def ours(pool=pool, quant=quant):
+                        return self.impl.paged_attention(q, pool, bt, qsl, sl, scale, T, T, quant=quant, out=out)
 
-                got = ours()
-                got = out if got is None else got
-                expect = ref.paged_attention(q, pool, bt, [T], [T], scale)
-                self.check(f"{tag} ours", rel_err(got, expect), nonfinite=int((~torch.isfinite(got)).sum()))
+                    out.fill_(float("nan"))
+                    got = ours()
+                    got = out if got is None else got
+                    expect = self.expect(q, pool, bt, [T], [T], scale, quant)
+                    self.check(f"{tag} {impl_of[name]}", rel_err(got, expect), nonfinite=int((~torch.isfinite(got)).sum()))
+                    if name == "bf16":
+                        bf16_expect = expect
+                    fns[impl_of[name]] = ours
                 qs, ks, vs = (x.transpose(0, 1).unsqueeze(0).contiguous() for x in (q, k, v))
                 kx, vx = ks.repeat_interleave(hq // hk, dim=1), vs.repeat_interleave(hq // hk, dim=1)
 
@@ -532,18 +564,23 @@ class Run:
 
                 for nm, fn in (("sdpa_gqa", sdpa_gqa), ("sdpa_repeat_kv", sdpa_rep)):
                     o = fn()[0].transpose(0, 1)
-                    self.check(f"{tag} {nm}", rel_err(o, expect))
+                    self.check(f"{tag} {nm}", rel_err(o, bf16_expect))
+                fns.update(sdpa_gqa=sdpa_gqa, sdpa_repeat_kv=sdpa_rep)
                 flops = 2 * 2 * T * T / 2 * hq * d
                 rows = {}
-                for nm, fn in (("ours", ours), ("sdpa_gqa", sdpa_gqa), ("sdpa_repeat_kv", sdpa_rep)):
+                for nm, fn in fns.items():
                     t = self.timer.time(fn, "prefill_" + nm)
-                    rows[nm] = {"tokens": T, "impl": nm, **t, "tflops": flops / (t["ms"] * 1e-3) / 1e12}
+                    rows[nm] = {"tokens": T, "impl": nm, "heads": [hq, hk, d], **t,
+                                "tflops": flops / (t["ms"] * 1e-3) / 1e12}
                 best = min(rows["sdpa_gqa"]["ms"], rows["sdpa_repeat_kv"]["ms"])
-                rows["ours"]["speed_vs_best_sdpa"] = best / rows["ours"]["ms"]
+                for nm in impl_of.values():
+                    rows[nm]["speed_vs_best_sdpa"] = best / rows[nm]["ms"]
+                    rows[nm]["speed_vs_bf16_pages"] = rows["ours"]["ms"] / rows[nm]["ms"]
                 self.res["prefill"].extend(rows.values())
-                print(f"[prefill] T={T:5d} ours {rows['ours']['tflops']:6.1f} TF/s  sdpa_gqa {rows['sdpa_gqa']['tflops']:6.1f}"
+                print(f"[prefill] T={T:5d} ours bf16 / fp8 / fp8q {rows['ours']['tflops']:6.1f} / {rows['ours_fp8']['tflops']:6.1f}"
+                      f" / {rows['ours_fp8q']['tflops']:6.1f} TF/s  sdpa_gqa {rows['sdpa_gqa']['tflops']:6.1f}"
                       f"  sdpa_rep {rows['sdpa_repeat_kv']['tflops']:6.1f}  ours/best {rows['ours']['speed_vs_best_sdpa']:.2f}x")
-                del k, v, q, out, qs, ks, vs, kx, vx
+                del k, v, q, out, qs, ks, vs, kx, vx, bf16_expect
             except Exception as e:
                 self.error(tag, e)
             self.save()
@@ -640,6 +677,8 @@ class Run:
         self.save()
 
     def bench_decode(self, points) -> None:
+        from kvserve.kernels.triton_attention import choose_num_splits
+
         a = self.args
         hq, hk, d, bs = a.q_heads, a.kv_heads, a.head_dim, a.block_size
         scale = d ** -0.5
@@ -661,33 +700,35 @@ class Run:
                     out.fill_(float("nan"))
                     got = self.impl.paged_attention(q, pool, bt, qsl, sl, scale, 1, ctx, quant=quant, out=out)
                     got = out if got is None else got
-                    expect = self.impl.reference.paged_attention(q[rows], pool, bt[rows], [1] * len(rows), [ctx] * len(rows),
-                                                                 scale, quant=quant)
+                    splits = choose_num_splits(b, hk, ctx, q.device)
+                    expect = self.expect(q[rows], pool, bt[rows], [1] * len(rows), [ctx] * len(rows), scale, quant, splits)
                     err = rel_err(got[rows], expect)
                     self.check(tag, err, nonfinite=int((~torch.isfinite(got)).sum()))
                     if a.smoke:  # off CUDA the auto choice never splits: exercise the split-KV path too
                         out.fill_(float("nan"))
                         self.impl.paged_attention(q, pool, bt, qsl, sl, scale, 1, ctx, quant=quant, out=out, num_splits=2)
+                        expect = self.expect(q[rows], pool, bt[rows], [1] * len(rows), [ctx] * len(rows), scale, quant, 2)
                         self.check(tag + " num_splits=2", rel_err(out[rows], expect),
                                    nonfinite=int((~torch.isfinite(out)).sum()))
                     del expect, got
                     t = self.timer.time(lambda: self.impl.paged_attention(q, pool, bt, qsl, sl, scale, 1, ctx, quant=quant,
                                                                           out=out), "decode_ours")
-                    elem = 2 if name == "bf16" else 1
+                    elem = 2 if name == "bf16" else 1  # fp8, fp8q: one byte
                     kv = b * ctx * hk * d * 2 * elem
                     nbytes = kv + 2 * b * hq * d * 2 + b * nblk * 4 + b * 4 + (b + 1) * 4
                     bw = self.gbps(nbytes, t["ms"])
                     row = {"batch": b, "context": ctx, "cache_dtype": name, "kv_bytes": kv, "bytes": nbytes, **t,
                            "GBps": bw, "pct_copy": self.pct(bw), "tokens_per_s": b / (t["ms"] * 1e-3), "rel_err": err}
                     ms_of[name] = t["ms"]
-                    if name == "fp8" and "bf16" in ms_of:
+                    if name != "bf16" and "bf16" in ms_of:
                         row["fp8_speedup"] = ms_of["bf16"] / t["ms"]
                     self.res["decode"].append(row)
                     line.append(f"{name} {t['ms'] * 1e3:8.1f}us {bw:5.0f}GB/s {fmt(row['pct_copy'], '.0f')}%")
                 except Exception as e:
                     self.error(tag, e)
-            if "fp8" in ms_of and "bf16" in ms_of:
-                line.append(f"fp8x {ms_of['bf16'] / ms_of['fp8']:.2f}")
+            for name in ("fp8", "fp8q"):
+                if name in ms_of and "bf16" in ms_of:
+                    line.append(f"{name}x {ms_of['bf16'] / ms_of[name]:.2f}")
             if a.flex and (b, ctx) in self.flex_points:
                 line += self._flex_point(b, ctx, q, scale, rows)
             print("[decode] " + " | ".join(line))
@@ -721,7 +762,7 @@ class Run:
                                nonfinite=int((~torch.isfinite(got)).sum()))
                     del got
                     t = self.timer.time(lambda: self.flex.run(q, fb, name, scale, a.k_scale, a.v_scale), "flex")
-                    elem = 2 if name == "bf16" else 1
+                    elem = 2 if name == "bf16" else 1  # fp8, fp8q: one byte
                     kv = b * ctx * hk * d * 2 * elem
                     nbytes = kv + 2 * b * hq * d * 2 + fb.num_pages_used * 4 + b * 4 * 2
                     bw = self.gbps(nbytes, t["ms"])
@@ -830,21 +871,24 @@ class Run:
                 L.append(f"      {s['tokens']:6d}  {s['cache_dtype']:5s} {s['ms'] * 1e3:9.2f} {s['GBps']:8.0f} {fmt(s['pct_copy'], '4.0f')}"
                          f"  {fmt(s.get('graph_pct_copy'), '4.0f')}")
         if r["prefill"]:
-            L.append("prefill    T  ours TF/s  sdpa_gqa  sdpa_rep  ours/best-sdpa")
+            L.append("prefill    T  TF/s: ours bf16  fp8  fp8q | sdpa_gqa  sdpa_rep | ours/best-sdpa: bf16  fp8  fp8q")
             by = {}
             for p in r["prefill"]:
                 by.setdefault(p["tokens"], {})[p["impl"]] = p
             for T, p in by.items():
-                if {"ours", "sdpa_gqa", "sdpa_repeat_kv"} <= p.keys():
-                    L.append(f"      {T:6d}  {p['ours']['tflops']:9.1f} {p['sdpa_gqa']['tflops']:9.1f} "
-                             f"{p['sdpa_repeat_kv']['tflops']:9.1f}  {p['ours']['speed_vs_best_sdpa']:6.2f}x")
+                if {"ours", "ours_fp8", "ours_fp8q", "sdpa_gqa", "sdpa_repeat_kv"} <= p.keys():
+                    o, o8, oq = p["ours"], p["ours_fp8"], p["ours_fp8q"]
+                    L.append(f"      {T:6d}  {o['tflops']:13.1f} {o8['tflops']:5.1f} {oq['tflops']:5.1f} | "
+                             f"{p['sdpa_gqa']['tflops']:8.1f} {p['sdpa_repeat_kv']['tflops']:9.1f} | "
+                             f"{o['speed_vs_best_sdpa']:19.2f}x {o8['speed_vs_best_sdpa']:.2f}x {oq['speed_vs_best_sdpa']:.2f}x")
         if r["decode"] or r["flex"]:
             L.append("decode (us, %cp = % of copy BW; flex = best variant f/p; x = ours speed / flex speed)")
-            L.append("    B    ctx |  bf16 us  %cp |   fp8 us  %cp  fp8x | flex bf16  %cp v | flex fp8  %cp v | x bf16  x fp8 | tok/s bf16")
+            L.append("    B    ctx |  bf16 us  %cp |   fp8 us  %cp  fp8x |  fp8q us  %cp fp8qx | flex bf16  %cp v | flex fp8  %cp v"
+                     " | x bf16  x fp8 | tok/s bf16")
             dec, fl = self._by_point()
             pts = sorted({k[:2] for k in list(dec) + list(fl)}, key=lambda p: (p[0], p[1]))
             for b, c in pts:
-                ob, o8 = dec.get((b, c, "bf16")), dec.get((b, c, "fp8"))
+                ob, o8, oq = dec.get((b, c, "bf16")), dec.get((b, c, "fp8")), dec.get((b, c, "fp8q"))
                 fb, f8 = fl.get((b, c, "bf16")), fl.get((b, c, "fp8"))
 
                 def us(x):
@@ -853,12 +897,13 @@ class Run:
                     return f"{x['ms'] * 1e3:8.1f} {fmt(x['pct_copy'], '4.0f', '   -')}"
 
                 fp8x = f"{ob['ms'] / o8['ms']:5.2f}" if ob and o8 else "    -"
+                fp8qx = f"{ob['ms'] / oq['ms']:5.2f}" if ob and oq else "    -"
                 xb = f"{fb['ms'] / ob['ms']:6.2f}" if ob and fb else "     -"
                 x8 = f"{f8['ms'] / o8['ms']:6.2f}" if o8 and f8 else "     -"
                 vb = fb["variant"][0] if fb else " "
                 v8 = f8["variant"][0] if f8 else " "
                 tok = f"{ob['tokens_per_s']:10.3g}" if ob else "-"
-                L.append(f"{b:5d} {c:6d} | {us(ob)} | {us(o8)} {fp8x} | {us(fb)} {vb} | {us(f8)} {v8} | {xb} {x8} | {tok}")
+                L.append(f"{b:5d} {c:6d} | {us(ob)} | {us(o8)} {fp8x} | {us(oq)} {fp8qx} | {us(fb)} {vb} | {us(f8)} {v8} | {xb} {x8} | {tok}")
         g = [(x["graph_ms"] / x["ms"], x) for x in r["decode"] + r["flex"] + r["store"] if x.get("graph_ms") and x["ms"] > 0]
         if g:
             far = [t for t in g if abs(t[0] - 1) > 0.10]

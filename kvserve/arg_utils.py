@@ -14,6 +14,7 @@ from kvserve.choices import (
     LOAD_FORMAT_CHOICES,
     MAMBA_CACHE_MODE_CHOICES,
     QUANTIZATION_CHOICES,
+    attention_backend_name,
 )
 
 
@@ -38,8 +39,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-gpu-blocks-override", type=int, default=None)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--device", default="auto")
-    g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKEND_CHOICES,
-                   help="auto: triton on CUDA, reference on CPU")
+    g.add_argument("--attention-backend", default="auto", type=attention_backend_name,
+                   choices=ATTENTION_BACKEND_CHOICES,
+                   help="auto: vLLM's choice on CUDA (FLASH_ATTN on Hopper, else TRITON_ATTN for fp8 pages), "
+                        "reference on CPU; triton: kvserve's dequantizing read of fp8 pages (docs/GPU.md)")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode batches")
     g.add_argument("--max-cudagraph-capture-size", type=int, default=None,
                    help="largest decode batch captured as a CUDA graph (default min(2 x max-num-seqs, 512))")

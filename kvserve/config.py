@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
+from kvserve.attention_backend import AttentionBackend, resolve_attention_backend
 from kvserve.choices import (
-    ATTENTION_BACKEND_CHOICES,
     DTYPE_CHOICES,
     KVSERVE_QUANTIZATION_METHODS,
     LOAD_FORMAT_CHOICES,
@@ -71,8 +71,7 @@ class ModelConfig:
 
     @property
     def head_size(self) -> int:
-        c = self.hf_config
-        return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        return _head_size(self.hf_config)
 
     @property
     def vocab_size(self) -> int:
@@ -112,7 +111,9 @@ class SchedulerConfig:
 class RunnerConfig:
     """How the model runs: the attention backend and CUDA graphs for decode batches."""
 
-    attention_backend: str = "reference"  # resolved: reference | triton
+    attention_backend: str = "reference"  # the kernels: reference | triton
+    # the --attention-backend choice (name and fp8 read)
+    attention: AttentionBackend = field(default_factory=lambda: AttentionBackend("reference", "reference"))
     enforce_eager: bool = True  # no CUDA graphs (always off CUDA / reference backend; runner: uncapturable models)
     cudagraph_capture_sizes: list[int] = field(default_factory=list)  # ascending decode batch sizes
 
@@ -223,24 +224,6 @@ def resolve_async_scheduling(requested: bool | None, device: torch.device) -> bo
     return bool(requested)
 
 
-def resolve_attention_backend(requested: str, device: torch.device) -> str:
-    """``--attention-backend``: auto = triton on CUDA, reference elsewhere.
-
-    triton off CUDA needs the Triton interpreter (``TRITON_INTERPRET=1``, slow; used by tests)."""
-    name = str(requested).lower()
-    if name not in ATTENTION_BACKEND_CHOICES:
-        raise ValueError(f"Unknown attention backend: {requested!r}. Supported: {ATTENTION_BACKEND_CHOICES}")
-    if name == "auto":
-        return "triton" if device.type == "cuda" else "reference"
-    if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(
-            f"--attention-backend triton needs a CUDA device, got device {device.type!r}. Use "
-            "--attention-backend reference (or auto), or set TRITON_INTERPRET=1 to run the Triton "
-            "kernels in the (slow) interpreter."
-        )
-    return name
-
-
 def cudagraph_capture_sizes(max_num_seqs: int, max_capture_size: int | None = None) -> list[int]:
     """vLLM's default decode batch sizes for CUDA graphs: 1, 2, 4, multiples of 8 below 256, then
     multiples of 16, up to ``max_capture_size`` (default ``min(2 * max_num_seqs, 512)``), kept at
@@ -296,6 +279,11 @@ def is_hybrid_config(hf_config: Any) -> bool:
     """Whether the (text) config has Gated DeltaNet layers next to full attention (Qwen3-Next,
     Qwen3.5/3.6): their recurrent state lives in a slot pool, not in KV pages."""
     return getattr(hf_config, "linear_num_value_heads", None) is not None
+
+
+def _head_size(c: Any) -> int:
+    """The attention head size of a Hugging Face config: ``head_dim``, else hidden_size / heads."""
+    return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
 
 
 def _derive_max_model_len(hf_config: Any, requested: int | None) -> int:
@@ -409,7 +397,6 @@ class EngineArgs:
         dtype = _resolve_dtype(self.dtype, hf_config, device)
         if self.load_format not in LOAD_FORMAT_CHOICES:
             raise ValueError(f"Unknown load_format: {self.load_format!r}. Supported: {LOAD_FORMAT_CHOICES}")
-        backend = resolve_attention_backend(self.attention_backend, device)
         max_model_len = _derive_max_model_len(hf_config, self.max_model_len)
 
         qc, qc_where = read_quant_config(path, raw)
@@ -417,6 +404,8 @@ class EngineArgs:
         quantization = _resolve_quantization(self.quantization, qc, qc_where, quant_config)
         kv_quant = read_kv_quant_config(path, raw)
         kv_dtype = _resolve_kv_cache_dtype(self.kv_cache_dtype, dtype, kv_quant)
+        attention = resolve_attention_backend(self.attention_backend, device, dtype, kv_dtype, _head_size(hf_config))
+        backend = attention.kernels
         if self.block_size <= 0 or self.block_size % 8 or self.block_size > 256:
             raise ValueError(
                 f"block_size must be a positive multiple of 8 up to 256, got {self.block_size}."
@@ -491,6 +480,7 @@ class EngineArgs:
             tokenizer=None if self.skip_tokenizer_init else (self.tokenizer or str(path)),
             runner_config=RunnerConfig(
                 attention_backend=backend,
+                attention=attention,
                 enforce_eager=self.enforce_eager or device.type != "cuda" or backend != "triton",
                 cudagraph_capture_sizes=cudagraph_capture_sizes(max_num_seqs, self.max_cudagraph_capture_size),
             ),

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.config import EngineArgs, cudagraph_capture_sizes, resolve_attention_backend
+from kvserve.config import EngineArgs, cudagraph_capture_sizes
 from triton_support import skip_without_triton_device
 
 PROMPTS = [
@@ -118,20 +118,6 @@ def test_block_table_writes_only_new_entries_and_follows_reallocation():
     assert set(bt.row_of) == {"a", "c"}
     assert bt.synced[bt.row_of["c"]] == 2 and bt.source[bt.row_of["a"]] is a2
     assert bool((bt.table.numpy() == bt.host).all())  # the device copy mirrors the host
-
-
-def test_backend_resolution(monkeypatch):
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert resolve_attention_backend("auto", cpu) == "reference"
-    assert resolve_attention_backend("auto", cuda) == "triton"
-    assert resolve_attention_backend("reference", cuda) == "reference"
-    with pytest.raises(ValueError, match=r"Unknown attention backend: 'flash'.*'auto', 'reference', 'triton'"):
-        resolve_attention_backend("flash", cpu)
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    with pytest.raises(ValueError, match="--attention-backend triton needs a CUDA device, got device 'cpu'"):
-        resolve_attention_backend("triton", cpu)
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert resolve_attention_backend("triton", cpu) == "triton"
 
 
 def test_cudagraph_capture_sizes_follow_vllm():

@@ -4,6 +4,10 @@ KV cache per layer: ``[num_blocks, 2, block_size, num_kv_heads, head_size]`` (in
 Slot ``s`` lives in block ``s // block_size`` at offset ``s % block_size``; slot -1 is padding.
 fp8 caches are ``torch.uint8`` bytes: stored ``fp8(clamp(x_fp32 / scale, -max, max))`` (round to
 nearest even, saturating), read back as ``float32(q) * scale`` (vLLM's per-tensor convention).
+
+``paged_attention_fp8_query`` is the twin of the quantized-query read (vLLM's FLASH_ATTN = FlashAttention
+3 on Hopper, and its TRITON_ATTN on CUDA): the query rounded to e4m3, both products on fp8 values, P
+rounded to e4m3 tile by tile as the Triton kernel's online softmax makes it.
 """
 
 from __future__ import annotations
@@ -23,13 +27,27 @@ class CacheQuant:
     k_scale: float = 1.0
     v_scale: float = 1.0
     device: torch.device | str = "cpu"  # the cache's device
+    # The read: False = K / V dequantized to the query's dtype (kvserve's ``triton``); True = the query
+    # quantized to e4m3 with ``q_scale`` and both products on fp8 values (vLLM's FLASH_ATTN / TRITON_ATTN
+    # on CUDA, e4m3 pages only), P multiplied by 2^p_shift before its e4m3 rounding (FlashAttention 3's
+    # Max_offset: 8; vLLM's Triton kernel: 0).
+    query_fp8: bool = False
+    q_scale: float = 1.0
+    p_shift: int = 8
     # the scales as float32 tensors on that device, made once per layer rather than per store
     k_scale_t: torch.Tensor = field(init=False, repr=False, compare=False)
     v_scale_t: torch.Tensor = field(init=False, repr=False, compare=False)
+    q_scale_t: torch.Tensor = field(init=False, repr=False, compare=False)
+    inv_q_scale_t: torch.Tensor = field(init=False, repr=False, compare=False)  # float32 1 / q_scale (IEEE)
 
     def __post_init__(self) -> None:
-        for name in ("k_scale", "v_scale"):
-            object.__setattr__(self, f"{name}_t", torch.tensor(getattr(self, name), dtype=torch.float32, device=self.device))
+        if self.query_fp8 and self.fp8_dtype != torch.float8_e4m3fn:
+            raise ValueError(f"the quantized-query read needs e4m3 pages, got {self.fp8_dtype}")
+        for name in ("k_scale", "v_scale", "q_scale"):
+            value = torch.tensor(getattr(self, name), dtype=torch.float32, device=self.device)
+            object.__setattr__(self, f"{name}_t", value)
+        one = torch.ones((), dtype=torch.float32, device=self.device)
+        object.__setattr__(self, "inv_q_scale_t", one / self.q_scale_t)
 
 
 def quantize_fp8(
@@ -207,4 +225,91 @@ def paged_attention(
             mask = torch.arange(seq_len, device=query.device).unsqueeze(0) <= q_pos
             o = _attend(q, k, v, mask, scale)
         out[start : start + n] = o.squeeze(0).transpose(0, 1).to(query.dtype)
+    return out
+
+
+_LOG2E = 1.4426950408889634
+
+
+def quantize_query_fp8(query: torch.Tensor, inv_q_scale: torch.Tensor) -> torch.Tensor:
+    """vLLM's static per-tensor query quantization (``QuantFP8``, the CUDA op and the native one alike):
+    ``e4m3(clamp(float32(q) * (1 / q_scale), -448, 448))``, round to nearest even."""
+    return (query.float() * inv_q_scale.to(query.device)).clamp_(-448.0, 448.0).to(torch.float8_e4m3fn)
+
+
+def paged_attention_fp8_query(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_lens: list[int],
+    seq_lens: list[int],
+    scale: float,
+    quant: CacheQuant,
+    tile_n: int,
+    compute: torch.dtype = torch.float32,
+    num_splits: int = 1,
+) -> torch.Tensor:
+    """Twin of the Triton kernel's quantized-query read of e4m3 pages (``quant.query_fp8``).
+
+    Per sequence: Q8 = ``quantize_query_fp8``; S = Q8 K8^T (exact fp8 products, summed in ``compute``)
+    times (scale log2 e)(q_scale k_scale), the log2 domain; causal; keys in tiles of ``tile_n`` from
+    key 0, online softmax: m the running row max, P = 2^(S - (m - p_shift)) added into l before its
+    e4m3 rounding, acc = acc 2^(m_old - m) + e4m3(P) V8; O = acc ((1 / l) v_scale) in the query's
+    dtype. The P rounding depends on the running max, hence on ``tile_n``: the kernel's tile size
+    makes the twin; ``compute`` float64 measures the twin's own fp32 noise. ``num_splits`` > 1
+    (decode-only batches): the kernel's split-KV, each split's tiles (``cdiv(tiles, num_splits)`` a
+    split) with their own running max, merged as its merge kernel does: sum 2^(m_s - M) (acc_s v_scale)
+    / sum 2^(m_s - M) l_s."""
+    assert quant.fp8_dtype == torch.float8_e4m3fn
+    assert num_splits == 1 or all(n == 1 for n in query_lens), "split-KV is for decode-only batches"
+    dev = query.device
+    f32 = lambda x: torch.tensor(x, dtype=torch.float32)  # noqa: E731
+    scale2 = ((f32(scale) * f32(_LOG2E)) * (quant.q_scale_t.cpu() * quant.k_scale_t.cpu())).to(compute).to(dev)
+    shift = float(quant.p_shift)
+    rows, block_size = _rows_view(kv_cache), kv_cache.shape[2]
+    hq, hk = query.shape[1], kv_cache.shape[3]
+    out = torch.empty_like(query)
+    q8 = quantize_query_fp8(query, quant.inv_q_scale_t).to(compute)
+    start = 0
+    for i, (n, length) in enumerate(zip(query_lens, seq_lens)):
+        pos = torch.arange(length, device=dev)
+        k_rows = _k_rows(block_tables[i].long()[pos // block_size], pos % block_size, block_size)
+        k8 = rows.index_select(0, k_rows).view(torch.float8_e4m3fn).to(compute).repeat_interleave(hq // hk, dim=1)
+        v8 = rows.index_select(0, k_rows + block_size).view(torch.float8_e4m3fn).to(compute)
+        v8 = v8.repeat_interleave(hq // hk, dim=1).transpose(0, 1)  # [Hq, L, D]
+        s = torch.einsum("qhd,khd->hqk", q8[start : start + n], k8) * scale2
+        visible = pos[None, :] <= torch.arange(length - n, length, device=dev)[:, None]
+        s = s.masked_fill(~visible, float("-inf"))
+        v_scale = quant.v_scale_t.to(dev).to(compute)
+        tiles = -(-length // tile_n)
+        per_split = -(-tiles // num_splits)
+        parts = []
+        for lo in range(0, tiles, per_split):
+            m = torch.full((hq, n), float("-inf"), dtype=compute, device=dev)
+            total = torch.zeros((hq, n), dtype=compute, device=dev)
+            acc = torch.zeros((hq, n, query.shape[2]), dtype=compute, device=dev)
+            for t0 in range(lo * tile_n, min(lo + per_split, tiles) * tile_n, tile_n):
+                st = s[..., t0 : t0 + tile_n]
+                m_new = torch.maximum(m, st.amax(-1))
+                m_safe = torch.where(m_new == float("-inf"), torch.zeros_like(m_new), m_new)
+                p = torch.exp2(st - (m_safe - shift)[..., None])
+                alpha = torch.exp2(m - m_safe)
+                total = total * alpha + p.sum(-1)
+                p8 = p.to(torch.float8_e4m3fn).to(compute)
+                acc = acc * alpha[..., None] + p8 @ v8[:, t0 : t0 + tile_n]
+                m = m_new
+            parts.append((m, total, acc))
+        if num_splits == 1:
+            m, total, acc = parts[0]
+            inv = torch.where(total == 0, torch.zeros_like(total), 1.0 / total)
+            o = acc * (inv * v_scale)[..., None]
+        else:
+            m_max = torch.stack([m for m, _, _ in parts]).amax(0)
+            m_max = torch.where(m_max == float("-inf"), torch.zeros_like(m_max), m_max)
+            w = [torch.exp2(m - m_max) for m, _, _ in parts]
+            num = sum(acc * v_scale * wi[..., None] for (_, _, acc), wi in zip(parts, w))
+            den = sum(t * wi for (_, t, _), wi in zip(parts, w))
+            o = num / torch.where(den == 0, torch.ones_like(den), den)[..., None]
+        out[start : start + n] = o.transpose(0, 1).to(query.dtype)
+        start += n
     return out

@@ -47,14 +47,25 @@ def _find_seq(query_start_ptr, target, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _shifted(m, P_SHIFT: tl.constexpr):
+    """The exponent P is taken against: the row max, less P_SHIFT (P = 2^(s - m + P_SHIFT))."""
+    if P_SHIFT == 0:
+        return m
+    return m - P_SHIFT
+
+
+@triton.jit
 def _attend_tile(
     t, m_i, l_i, acc, q, q_pos, num_keys, scale2, cache_ptr, table, kv_head,
     stride_cb, stride_ckv, stride_cs, stride_ch,
     HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, PAGE: tl.constexpr, TILE_N: tl.constexpr,
     FP8: tl.constexpr, FP8_E5M2: tl.constexpr, IEEE: tl.constexpr, MASKED: tl.constexpr,
+    QUERY_FP8: tl.constexpr, P_SHIFT: tl.constexpr,
 ):
     """One tile of ``TILE_N`` keys: scores, online-softmax update (base 2), P @ V. ``MASKED``
-    False: every key of the tile is in range and visible to every row (no masks, no -inf)."""
+    False: every key of the tile is in range and visible to every row (no masks, no -inf).
+    ``QUERY_FP8``: q is e4m3, K and V stay e4m3 (fp8 MMAs), P is scaled by 2^P_SHIFT and rounded to
+    e4m3 for P @ V, l summing P before that rounding (FlashAttention 3's order)."""
     n = t * TILE_N + tl.arange(0, TILE_N)
     d = tl.arange(0, HEAD_PAD)
     if MASKED:
@@ -78,9 +89,10 @@ def _attend_tile(
         else:
             k = k.to(tl.float8e4nv, bitcast=True)
             v = v.to(tl.float8e4nv, bitcast=True)
-    k = k.to(q.dtype)
-    v = v.to(q.dtype)
-    if IEEE:
+    if not QUERY_FP8:
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
+    if IEEE and not QUERY_FP8:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
@@ -90,20 +102,22 @@ def _attend_tile(
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
+        p = tl.exp2(s - _shifted(m_safe, P_SHIFT)[:, None])
     elif IEEE:
         s = s * scale2  # float32 models keep the masked path's roundings
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = m_new
-        p = tl.exp2(s - m_safe[:, None])
+        p = tl.exp2(s - _shifted(m_safe, P_SHIFT)[:, None])
     else:
         # scale folded into one FMA per score (scale2 > 0, so the max commutes with it)
         m_new = tl.maximum(m_i, tl.max(s, axis=1) * scale2)
         m_safe = m_new
-        p = tl.exp2(s * scale2 - m_safe[:, None])
+        p = tl.exp2(s * scale2 - _shifted(m_safe, P_SHIFT)[:, None])
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    if IEEE:
+    if QUERY_FP8:
+        pv = tl.dot(p.to(tl.float8e4nv), v)
+    elif IEEE:
         pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
     else:
         pv = tl.dot(p.to(v.dtype), v)
@@ -117,7 +131,7 @@ def _attend_tile(
 def _attention_kernel(
     out_ptr, part_acc_ptr, part_ml_ptr,
     q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
-    k_scale_ptr, v_scale_ptr, qk_scale,
+    k_scale_ptr, v_scale_ptr, q_scale_ptr, inv_q_scale_ptr, qk_scale,
     num_seqs,
     stride_qt, stride_qh,
     stride_ot, stride_oh,
@@ -128,7 +142,7 @@ def _attention_kernel(
     HEAD: tl.constexpr, HEAD_PAD: tl.constexpr,
     PAGE: tl.constexpr, TILE_N: tl.constexpr,
     FP8: tl.constexpr, FP8_E5M2: tl.constexpr, IEEE: tl.constexpr,
-    SPLIT: tl.constexpr, PDL: tl.constexpr,
+    SPLIT: tl.constexpr, PDL: tl.constexpr, QUERY_FP8: tl.constexpr, P_SHIFT: tl.constexpr,
 ):
     pdl.start(PDL)
     q_block = tl.program_id(0)
@@ -156,7 +170,14 @@ def _attention_kernel(
         q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
         mask=row_ok[:, None] & d_ok[None, :], other=0.0,
     )
-    if FP8:
+    if QUERY_FP8:
+        # vLLM's static query quantization (QuantFP8): e4m3(clamp(float32(q) * (1 / q_scale), -448, 448)),
+        # round to nearest even; the descales go into the log2-domain score scale as FlashAttention
+        # 3 folds them: (scale log2 e)(q_scale k_scale)
+        q = tl.minimum(tl.maximum(q.to(tl.float32) * tl.load(inv_q_scale_ptr), -448.0), 448.0).to(tl.float8e4nv)
+        k_mul = qk_scale
+        v_mul = tl.load(v_scale_ptr)
+    elif FP8:
         k_mul = qk_scale * tl.load(k_scale_ptr)
         v_mul = tl.load(v_scale_ptr)
         if not IEEE:
@@ -185,13 +206,16 @@ def _attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
     table = block_tables_ptr + seq * stride_bt
-    scale2 = k_mul * 1.4426950408889634  # scores to the log2 domain
+    if QUERY_FP8:
+        scale2 = (qk_scale * 1.4426950408889634) * (tl.load(q_scale_ptr) * tl.load(k_scale_ptr))
+    else:
+        scale2 = k_mul * 1.4426950408889634  # scores to the log2 domain
     if SPLIT:  # (split-KV parts: one masked loop measured faster, benchmarks/HISTORY.md, attention A/B)
         for t in range(tile_lo, tile_hi):
             m_i, l_i, acc = _attend_tile(
                 t, m_i, l_i, acc, q, q_pos, num_keys, scale2, cache_ptr, table, kv_head,
                 stride_cb, stride_ckv, stride_cs, stride_ch,
-                HEAD, HEAD_PAD, PAGE, TILE_N, FP8, FP8_E5M2, IEEE, True,
+                HEAD, HEAD_PAD, PAGE, TILE_N, FP8, FP8_E5M2, IEEE, True, QUERY_FP8, P_SHIFT,
             )
     else:
         # Tiles wholly before this block's first query token are visible to every row and in
@@ -201,19 +225,22 @@ def _attention_kernel(
             m_i, l_i, acc = _attend_tile(
                 t, m_i, l_i, acc, q, q_pos, num_keys, scale2, cache_ptr, table, kv_head,
                 stride_cb, stride_ckv, stride_cs, stride_ch,
-                HEAD, HEAD_PAD, PAGE, TILE_N, FP8, FP8_E5M2, IEEE, False,
+                HEAD, HEAD_PAD, PAGE, TILE_N, FP8, FP8_E5M2, IEEE, False, QUERY_FP8, P_SHIFT,
             )
         for t in range(full_end, tile_hi):
             m_i, l_i, acc = _attend_tile(
                 t, m_i, l_i, acc, q, q_pos, num_keys, scale2, cache_ptr, table, kv_head,
                 stride_cb, stride_ckv, stride_cs, stride_ch,
-                HEAD, HEAD_PAD, PAGE, TILE_N, FP8, FP8_E5M2, IEEE, True,
+                HEAD, HEAD_PAD, PAGE, TILE_N, FP8, FP8_E5M2, IEEE, True, QUERY_FP8, P_SHIFT,
             )
 
     out_row = q_start + tok
     if not SPLIT:
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-        o = acc / l_safe[:, None] * v_mul
+        if QUERY_FP8:
+            o = acc * ((1.0 / l_safe) * v_mul)[:, None]  # (FlashAttention 3's finalize)
+        else:
+            o = acc / l_safe[:, None] * v_mul
         tl.store(
             out_ptr + out_row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
             o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :],
@@ -334,12 +361,14 @@ def paged_attention(
     launch_opts = {"maxnreg": maxnreg[0]} if is_cuda and maxnreg and maxnreg[0] else {}
     block_q = block_m // triton.next_power_of_2(group)
     fp8 = quant is not None
+    query_fp8 = fp8 and quant.query_fp8
     if quant is None:
         cache = kv_cache if kv_cache.dtype == query.dtype else kv_cache  # mixed float dtypes convert in-kernel
-        k_scale_t = v_scale_t = seq_lens  # unused placeholders (never read)
+        k_scale_t = v_scale_t = q_scale_t = inv_q_scale_t = seq_lens  # unused placeholders (never read)
     else:
         cache = kv_cache
         k_scale_t, v_scale_t = quant.k_scale_t, quant.v_scale_t
+        q_scale_t, inv_q_scale_t = quant.q_scale_t, quant.inv_q_scale_t
     if num_splits > 1:
         part_acc = torch.empty((num_tokens, num_heads, num_splits, head_pad), dtype=torch.float32, device=query.device)
         part_ml = torch.empty((num_tokens, num_heads, num_splits, 2), dtype=torch.float32, device=query.device)
@@ -349,7 +378,7 @@ def paged_attention(
     _attention_kernel[grid](
         out, part_acc, part_ml,
         query, cache, block_tables, seq_lens, query_start_loc,
-        k_scale_t, v_scale_t, float(scale),
+        k_scale_t, v_scale_t, q_scale_t, inv_q_scale_t, float(scale),
         num_seqs,
         query.stride(0), query.stride(1),
         out.stride(0), out.stride(1),
@@ -359,7 +388,7 @@ def paged_attention(
         G=group, BLOCK_M=block_m, BLOCK_Q=block_q,
         HEAD=head, HEAD_PAD=head_pad, PAGE=page, TILE_N=tile_n,
         FP8=fp8, FP8_E5M2=fp8 and quant.fp8_dtype == torch.float8_e5m2, IEEE=query.dtype == torch.float32,
-        SPLIT=num_splits > 1,
+        SPLIT=num_splits > 1, QUERY_FP8=query_fp8, P_SHIFT=quant.p_shift if query_fp8 else 0,
         num_warps=num_warps, num_stages=num_stages, **launch_opts, **pdl.launch_options(query.device),
     )
     if num_splits > 1:

@@ -1,9 +1,9 @@
 """Attention layer over the paged KV cache: stores this step's K/V, then attends.
 
-Each layer owns its cache tensor, its per-tensor KV scales (``k_scale``, ``v_scale``; ``q_scale``
-and ``prob_scale`` are kept for vLLM parity but the read leaves the query unquantized) and its
-backend: ``reference`` (plain torch, any device) or ``triton`` (fused store + unified paged
-attention kernels; CUDA, or the Triton interpreter)."""
+Each layer owns its cache tensor, its per-tensor scales (``k_scale``, ``v_scale``, ``q_scale``: the
+query's, used where vLLM's FLASH_ATTN / TRITON_ATTN read e4m3 pages with a quantized query;
+``prob_scale`` is kept for vLLM parity) and its kernels: ``reference`` (plain torch, any device) or
+``triton`` (fused store + unified paged attention kernels; CUDA, or the Triton interpreter)."""
 
 from __future__ import annotations
 
@@ -82,16 +82,23 @@ class Attention(nn.Module):
         self.cache_quant: reference.CacheQuant | None = None  # set by bind_kv_cache for fp8
         self.backend = "reference"
 
-    def bind_kv_cache(self, kv_cache: torch.Tensor, kv_dtype: KVCacheDtype, backend: str = "reference") -> None:
-        """Attach this layer's pages and backend; an fp8 cache (uint8 bytes) also fixes the
-        store/read scales."""
+    def bind_kv_cache(
+        self, kv_cache: torch.Tensor, kv_dtype: KVCacheDtype, backend: str = "reference",
+        query_fp8: bool = False, p_shift: int = 0,
+    ) -> None:
+        """Attach this layer's pages and kernels; an fp8 cache (uint8 bytes) also fixes the
+        store/read scales and, with ``query_fp8`` (triton kernels, e4m3 pages), the quantized-query
+        read with P scaled by 2^p_shift (``attention_backend.AttentionBackend``)."""
+        assert not query_fp8 or backend == "triton", "the quantized-query read runs in the triton kernels"
         self.kv_cache = kv_cache
         self.backend = backend
         self.cache_quant = None
         if kv_dtype.is_fp8:
             assert kv_dtype.fp8_dtype is not None
             self.cache_quant = reference.CacheQuant(
-                kv_dtype.fp8_dtype, kv_dtype.fp8_max, self.k_scale, self.v_scale, kv_cache.device
+                kv_dtype.fp8_dtype, kv_dtype.fp8_max, self.k_scale, self.v_scale, kv_cache.device,
+                query_fp8=query_fp8 and kv_dtype.fp8_dtype == torch.float8_e4m3fn, q_scale=self.q_scale,
+                p_shift=p_shift,
             )
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

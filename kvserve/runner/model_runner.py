@@ -177,7 +177,8 @@ class ModelRunner:
                 (cc.num_blocks, 2, cc.block_size, mc.num_kv_heads, mc.head_size),
                 dtype=self.kv_spec.dtype, device=self.device,
             )
-            layer.bind_kv_cache(cache, self.kv_dtype, self.backend)
+            choice = config.runner_config.attention
+            layer.bind_kv_cache(cache, self.kv_dtype, self.backend, choice.query_fp8, choice.p_shift)
             self.kv_caches.append(cache)
 
         self.state_pool: StatePool | None = None
