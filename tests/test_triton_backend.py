@@ -4,8 +4,11 @@ test_gpu_triton.py."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
+import triton
 
 from kvserve import LLM, SamplingParams
 from kvserve.config import EngineArgs, cudagraph_capture_sizes
@@ -41,6 +44,39 @@ def test_triton_backend_gives_the_reference_tokens(make_tiny_model, kv, one_thre
     ref = _run(folder, "reference", kv)
     assert _run(folder, "triton", kv) == ref
     assert len({tuple(t) for t in ref}) == len(ref)  # distinct outputs: the check can fail
+
+
+@skip_without_triton_device()
+def test_quantized_query_backend_gives_its_twins_tokens(make_tiny_model, one_thread, monkeypatch):
+    """TRITON_ATTN over e4m3 pages (vLLM's read on CUDA: the query quantized, P unscaled) in the engine,
+    through chunked prefill, a prefix hit and decodes, gives the greedy tokens of the reference engine
+    whose attention is the quantized-query twin (with the kernel's key tile for each batch)."""
+    from kvserve.kernels import reference, triton_attention
+
+    folder = make_tiny_model("qwen3")
+    reads = []
+    kernel = triton_attention.paged_attention
+
+    def spy(*args, **kw):
+        quant = kw["quant"] if "quant" in kw else args[8]  # (the layer passes it ninth)
+        reads.append((quant.query_fp8, quant.p_shift))
+        return kernel(*args, **kw)
+
+    monkeypatch.setattr(triton_attention, "paged_attention", spy)
+    got = _run(folder, "TRITON_ATTN", "fp8_e4m3")
+    assert reads and set(reads) == {(True, 0)}
+
+    def twin(query, kv_cache, block_tables, query_lens, seq_lens, scale, plan=None, quant=None):
+        quant = dataclasses.replace(quant, query_fp8=True, p_shift=0)
+        group, head_pad = query.shape[1] // kv_cache.shape[3], triton.next_power_of_2(query.shape[2])
+        tile = triton_attention._tile_config(max(query_lens), group, head_pad, False, True, False,
+                                             query.dtype == torch.float32)[1]
+        return reference.paged_attention_fp8_query(query, kv_cache, block_tables, query_lens, seq_lens, scale, quant,
+                                                   tile)
+
+    assert _run(folder, "triton", "fp8_e4m3") != got  # the dequantizing read's tokens differ: the check can fail
+    monkeypatch.setattr(reference, "paged_attention", twin)
+    assert _run(folder, "reference", "fp8_e4m3") == got
 
 
 def test_warm_up_token_counts_cover_store_tiles_and_integer_specializations():
