@@ -5,8 +5,12 @@ program owns ``BLOCK_Q`` query tokens of one sequence times the ``G = Hq / Hk`` 
 share one KV head (``BLOCK_M = BLOCK_Q * G`` rows), and walks that sequence's pages in tiles of
 ``TILE_N`` tokens (a tile may span several pages; each token's page comes from the block table).
 fp8 pages are read as bytes, converted exactly to the query dtype, and the per-tensor scales are
-applied to the fp32 scores (``k_scale``) and to the fp32 output (``v_scale``). Softmax and
-accumulation run in fp32 (online softmax, base 2).
+applied to the fp32 scores (``k_scale``) and to the fp32 output (``v_scale``); or, with
+``CacheQuant.query_fp8`` (vLLM's FLASH_ATTN / TRITON_ATTN on CUDA, e4m3 pages), the query is
+rounded to e4m3 with ``q_scale`` as vLLM's QuantFP8 does, both products are fp8 dots, and P is scaled
+by 2^p_shift (FlashAttention 3's Max_offset, 8) and rounded to e4m3 for P @ V, as FA3 does; its twin
+is ``reference.paged_attention_fp8_query``. Softmax and accumulation run in fp32 (online softmax,
+base 2).
 
 Split-KV (flash-decoding): the KV range of each program can be cut into ``num_splits`` parts that
 run as separate programs; a second kernel merges their partial results. Chosen automatically for
