@@ -109,12 +109,13 @@ def test_kernels_smoke_checks_every_kernel_against_the_reference(tmp_path):
     checks = doc["checks"]
     assert checks and all(c["ok"] for c in checks)
     names = " ".join(c["name"] for c in checks)
-    for what in ("store bf16", "store fp8", "prefill", "decode ours bf16", "decode ours fp8", "num_splits=2",
-                 "bigpool fp8", "bigpool bf16"):
+    for what in ("store bf16", "store fp8", "prefill", "decode ours bf16", "decode ours fp8", "decode ours fp8q",
+                 "num_splits=2", "bigpool fp8", "bigpool bf16", "ours_fp8q"):
         assert what in names, what
     for section in ("store", "prefill", "decode"):
         assert doc[section] and all(row["ms"] > 0 for row in doc[section]), section
-    assert {d["cache_dtype"] for d in doc["decode"]} == {"bf16", "fp8"}
+    assert {d["cache_dtype"] for d in doc["decode"]} == {"bf16", "fp8", "fp8q"}  # fp8q: the quantized-query read
+    assert {p["impl"] for p in doc["prefill"]} == {"ours", "ours_fp8", "ours_fp8q", "sdpa_gqa", "sdpa_repeat_kv"}
 
 
 def test_e2e_smoke_runs_both_kv_dtypes_and_the_transformers_peer(tmp_path):
