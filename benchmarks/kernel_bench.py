@@ -138,7 +138,7 @@ class Impl:
         return triton_attention.paged_attention
 
     def _ref_attention(self, query, kv_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len,
-                       max_seq_len, quant=None, out=None, num_splits=None):
+                       max_seq_len, quant=None, out=None, num_splits=None, pv_fp8=None):
         qsl = query_start_loc.tolist()
         qlens = [b - a for a, b in zip(qsl, qsl[1:])]
         if quant is not None and quant.query_fp8:
@@ -352,6 +352,10 @@ class Run:
         return r.CacheQuant(torch.float8_e4m3fn, 448.0, self.args.k_scale, self.args.v_scale, self.dev,
                             query_fp8=query_fp8, p_shift=8)
 
+    def pv_kw(self, name: str) -> dict:
+        """The kernel's keyword for the fp8q_pv16 variant (P @ V in fp16)."""
+        return {"pv_fp8": False} if name == "fp8q_pv16" else {}
+
     def expect(self, q, pool, bt, qlens, slens, scale, quant, num_splits=1):
         """The check's ground truth: the reference read, or the quantized-query twin with the
         kernel's key tile and split-KV parts (``num_splits``)."""
@@ -446,8 +450,11 @@ class Run:
     def caches(self):
         """bf16 pages; fp8 pages read dequantized (kvserve's triton); the same pages read with the
         quantized query (fp8q: vLLM's FLASH_ATTN)."""
-        return (("bf16", self.pool["bf16"], None), ("fp8", self.pool["fp8"], self.quant()),
-                ("fp8q", self.pool["fp8"], self.quant(query_fp8=True)))
+        kinds = [("bf16", self.pool["bf16"], None), ("fp8", self.pool["fp8"], self.quant()),
+                 ("fp8q", self.pool["fp8"], self.quant(query_fp8=True))]
+        if self.args.fp8q_pv16:  # the same read with P @ V in fp16 on the e4m3 values (JSON only)
+            kinds.append(("fp8q_pv16", self.pool["fp8"], self.quant(query_fp8=True)))
+        return tuple(kinds)
 
     # ---- b. store
     def bench_store(self) -> None:
@@ -524,7 +531,7 @@ class Run:
         scale = d ** -0.5
         ref = self.impl.reference
         F = torch.nn.functional
-        impl_of = {"bf16": "ours", "fp8": "ours_fp8", "fp8q": "ours_fp8q"}
+        impl_of = {"bf16": "ours", "fp8": "ours_fp8", "fp8q": "ours_fp8q", "fp8q_pv16": "ours_fp8q_pv16"}
         for T in a.prefill_tokens:
             if self.over_budget(f"prefill T={T}"):
                 return
@@ -542,8 +549,8 @@ class Run:
                 for name, pool, quant in self.caches():
                     ref.store_kv(k, v, pool, slots, quant)
 
-                    def ours(pool=pool, quant=quant):
-                        return self.impl.paged_attention(q, pool, bt, qsl, sl, scale, T, T, quant=quant, out=out)
+                    def ours(pool=pool, quant=quant, kw=self.pv_kw(name)):
+                        return self.impl.paged_attention(q, pool, bt, qsl, sl, scale, T, T, quant=quant, out=out, **kw)
 
                     out.fill_(float("nan"))
                     got = ours()
@@ -573,7 +580,7 @@ class Run:
                     rows[nm] = {"tokens": T, "impl": nm, "heads": [hq, hk, d], **t,
                                 "tflops": flops / (t["ms"] * 1e-3) / 1e12}
                 best = min(rows["sdpa_gqa"]["ms"], rows["sdpa_repeat_kv"]["ms"])
-                for nm in impl_of.values():
+                for nm in (n for n in impl_of.values() if n in rows):
                     rows[nm]["speed_vs_best_sdpa"] = best / rows[nm]["ms"]
                     rows[nm]["speed_vs_bf16_pages"] = rows["ours"]["ms"] / rows[nm]["ms"]
                 self.res["prefill"].extend(rows.values())
@@ -698,7 +705,8 @@ class Run:
                 tag = f"decode ours {name} B={b} ctx={ctx}"
                 try:
                     out.fill_(float("nan"))
-                    got = self.impl.paged_attention(q, pool, bt, qsl, sl, scale, 1, ctx, quant=quant, out=out)
+                    got = self.impl.paged_attention(q, pool, bt, qsl, sl, scale, 1, ctx, quant=quant, out=out,
+                                                    **self.pv_kw(name))
                     got = out if got is None else got
                     splits = choose_num_splits(b, hk, ctx, q.device)
                     expect = self.expect(q[rows], pool, bt[rows], [1] * len(rows), [ctx] * len(rows), scale, quant, splits)
@@ -712,7 +720,7 @@ class Run:
                                    nonfinite=int((~torch.isfinite(out)).sum()))
                     del expect, got
                     t = self.timer.time(lambda: self.impl.paged_attention(q, pool, bt, qsl, sl, scale, 1, ctx, quant=quant,
-                                                                          out=out), "decode_ours")
+                                                                          out=out, **self.pv_kw(name)), "decode_ours")
                     elem = 2 if name == "bf16" else 1  # fp8, fp8q: one byte
                     kv = b * ctx * hk * d * 2 * elem
                     nbytes = kv + 2 * b * hq * d * 2 + b * nblk * 4 + b * 4 + (b + 1) * 4
@@ -945,6 +953,8 @@ def parse_args(argv=None):
     p.add_argument("--flex-variants", choices=("auto", "both", "full", "partial"), default="auto")
     p.add_argument("--flex-page-size", type=int, default=128)
     p.add_argument("--no-graph", dest="graph", action="store_false")
+    p.add_argument("--fp8q-pv16", action="store_true",
+                   help="also the quantized-query read with P @ V in fp16 on the e4m3 values (JSON: fp8q_pv16)")
     p.add_argument("--no-bigpool", dest="bigpool", action="store_false", help="--smoke: skip the >2^31-element pool check")
     p.add_argument("--batches", type=ints, default=None)
     p.add_argument("--contexts", type=ints, default=None)

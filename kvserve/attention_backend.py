@@ -55,7 +55,9 @@ def normalize_backend_name(name: str) -> str:
     return text
 
 
-def invalid_reasons(name: str, device: torch.device, dtype: torch.dtype, kv_dtype: KVCacheDtype, head_size: int) -> list[str]:
+def invalid_reasons(
+    name: str, device: torch.device, dtype: torch.dtype, kv_dtype: KVCacheDtype, head_size: int
+) -> list[str]:
     """Why vLLM's backend ``name`` cannot serve this configuration (empty: it can), in vLLM's words."""
     if name != "FLASH_ATTN":
         return []

@@ -33,11 +33,12 @@ def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
 def _tile_n(b: Batch, num_splits: int) -> int:
     """The kernel's key tile for this batch (the twin's P rounding follows it)."""
     group = b.query.shape[1] // b.kv_cache.shape[3]
-    return triton_attention._tile_config(max(b.query_lens), group, triton_attention.triton.next_power_of_2(b.query.shape[2]),
-                                         ON_GPU, True, num_splits > 1, b.query.dtype == torch.float32)[1]
+    head_pad = triton_attention.triton.next_power_of_2(b.query.shape[2])
+    return triton_attention._tile_config(max(b.query_lens), group, head_pad, ON_GPU, True, num_splits > 1,
+                                         b.query.dtype == torch.float32)[1]
 
 
-def _check(b: Batch, quant: CacheQuant, num_splits: int = 1) -> dict:
+def _check(b: Batch, quant: CacheQuant, num_splits: int = 1, pv_fp8: bool | None = None) -> dict:
     """Kernel vs twin within the twin's own spread; returns the measured figures."""
     scale = b.query.shape[-1] ** -0.5
     args = (b.query, b.kv_cache, b.block_tables, b.query_lens, b.seq_lens, scale, quant, _tile_n(b, num_splits))
@@ -45,7 +46,7 @@ def _check(b: Batch, quant: CacheQuant, num_splits: int = 1) -> dict:
     spread = _rel(twin, reference.paged_attention_fp8_query(*args, compute=torch.float64, num_splits=num_splits))
     out = torch.full(b.query.shape, math.nan, dtype=b.query.dtype, device=DEV)
     got = triton_attention.paged_attention(b.query, b.kv_cache, scale=scale, quant=quant, out=out,
-                                           num_splits=num_splits, **b.kernel_args())
+                                           num_splits=num_splits, pv_fp8=pv_fp8, **b.kernel_args())
     assert bool(torch.isfinite(got).all()), "rows left unwritten or poisoned pages read"
     floor = 0.0 if b.query.dtype == torch.float32 else 2.0 ** -8
     tol = max(4 * spread, floor)
@@ -77,10 +78,11 @@ CPU_CASES = [
 
 @pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: "h{}-{}-d{}-bs{}-q{}-shift{}-qs{}".format(*c))
 def test_mixed_batch_matches_the_twin(case):
-    """Decodes, prefill chunks over cached context and fresh prefills in one launch."""
+    """Decodes, prefill chunks over cached context and fresh prefills in one launch; P @ V as an fp8
+    MMA and as an fp16 one on the same values (both cases' kernels)."""
     hq, hk, d, bs, qd, shift, q_scale = case
     b = _make_batch(MIXED_QLENS, MIXED_SEQLENS, hq, hk, d, bs, FLOAT[qd], "fp8_e4m3", _gen("fp8q", case))
-    _check(b, _quant(shift, q_scale))
+    _check(b, _quant(shift, q_scale), pv_fp8=CPU_CASES.index(case) % 2 == 0)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
@@ -89,7 +91,8 @@ def test_decode_batch_matches_the_twin(qd, num_splits):
     """Decode-only, one split or three (each split's own running max, then the merge: the twin
     splits the same way); contexts up to 5 of the 64-key tiles."""
     seq_lens = [33, 1, 97, 64, 128, 300, 257]
-    b = _make_batch([1] * len(seq_lens), seq_lens, 8, 2, 128, 16, FLOAT[qd], "fp8_e4m3", _gen("fp8q-dec", qd, num_splits))
+    gen = _gen("fp8q-dec", qd, num_splits)
+    b = _make_batch([1] * len(seq_lens), seq_lens, 8, 2, 128, 16, FLOAT[qd], "fp8_e4m3", gen)
     _check(b, _quant(8), num_splits)
 
 
@@ -125,6 +128,7 @@ def test_gpu_batches_match_the_twin(hq, hk, d, qd, shift, record_property):
     qlens, slens = _gpu_batch(gen)
     b = _make_batch(qlens, slens, hq, hk, d, 16, FLOAT[qd], "fp8_e4m3", gen)
     record_property("mixed", _check(b, _quant(shift, 1.0)))
+    record_property("mixed_pv_fp16", _check(b, _quant(shift, 1.0), pv_fp8=False))
     seq_lens = torch.randint(1, 3000, (48,), generator=gen).tolist()
     b = _make_batch([1] * 48, seq_lens, hq, hk, d, 16, FLOAT[qd], "fp8_e4m3", gen)
     splits = triton_attention.choose_num_splits(48, hk, max(seq_lens), b.query.device)

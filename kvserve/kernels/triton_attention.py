@@ -33,6 +33,7 @@ from kvserve.kernels.reference import CacheQuant
 from kvserve.kernels.triton_store import num_sms
 
 _LOG2E = 1.4426950408889634
+PV_FP8 = True  # the quantized-query read's P @ V as an fp8 MMA (False: fp16 on the same e4m3 values)
 
 
 @triton.jit
@@ -64,12 +65,14 @@ def _attend_tile(
     stride_cb, stride_ckv, stride_cs, stride_ch,
     HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, PAGE: tl.constexpr, TILE_N: tl.constexpr,
     FP8: tl.constexpr, FP8_E5M2: tl.constexpr, IEEE: tl.constexpr, MASKED: tl.constexpr,
-    QUERY_FP8: tl.constexpr, P_SHIFT: tl.constexpr,
+    QUERY_FP8: tl.constexpr, P_SHIFT: tl.constexpr, PV_FP8: tl.constexpr,
 ):
     """One tile of ``TILE_N`` keys: scores, online-softmax update (base 2), P @ V. ``MASKED``
     False: every key of the tile is in range and visible to every row (no masks, no -inf).
     ``QUERY_FP8``: q is e4m3, K and V stay e4m3 (fp8 MMAs), P is scaled by 2^P_SHIFT and rounded to
-    e4m3 for P @ V, l summing P before that rounding (FlashAttention 3's order)."""
+    e4m3 for P @ V, l summing P before that rounding (FlashAttention 3's order). ``PV_FP8`` False
+    runs P @ V on those values in fp16 (exact: e4m3 values and their products are exact in fp16 and
+    fp32), so V needs no transpose for an fp8 MMA (which takes V's keys contiguous)."""
     n = t * TILE_N + tl.arange(0, TILE_N)
     d = tl.arange(0, HEAD_PAD)
     if MASKED:
@@ -119,8 +122,10 @@ def _attend_tile(
         p = tl.exp2(s * scale2 - _shifted(m_safe, P_SHIFT)[:, None])
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    if QUERY_FP8:
+    if QUERY_FP8 and PV_FP8:
         pv = tl.dot(p.to(tl.float8e4nv), v)
+    elif QUERY_FP8:
+        pv = tl.dot(p.to(tl.float8e4nv).to(tl.float16), v.to(tl.float16))
     elif IEEE:
         pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
     else:
@@ -146,7 +151,7 @@ def _attention_kernel(
     HEAD: tl.constexpr, HEAD_PAD: tl.constexpr,
     PAGE: tl.constexpr, TILE_N: tl.constexpr,
     FP8: tl.constexpr, FP8_E5M2: tl.constexpr, IEEE: tl.constexpr,
-    SPLIT: tl.constexpr, PDL: tl.constexpr, QUERY_FP8: tl.constexpr, P_SHIFT: tl.constexpr,
+    SPLIT: tl.constexpr, PDL: tl.constexpr, QUERY_FP8: tl.constexpr, P_SHIFT: tl.constexpr, PV_FP8: tl.constexpr,
 ):
     pdl.start(PDL)
     q_block = tl.program_id(0)
@@ -219,7 +224,7 @@ def _attention_kernel(
             m_i, l_i, acc = _attend_tile(
                 t, m_i, l_i, acc, q, q_pos, num_keys, scale2, cache_ptr, table, kv_head,
                 stride_cb, stride_ckv, stride_cs, stride_ch,
-                HEAD, HEAD_PAD, PAGE, TILE_N, FP8, FP8_E5M2, IEEE, True, QUERY_FP8, P_SHIFT,
+                HEAD, HEAD_PAD, PAGE, TILE_N, FP8, FP8_E5M2, IEEE, True, QUERY_FP8, P_SHIFT, PV_FP8,
             )
     else:
         # Tiles wholly before this block's first query token are visible to every row and in
@@ -229,13 +234,13 @@ def _attention_kernel(
             m_i, l_i, acc = _attend_tile(
                 t, m_i, l_i, acc, q, q_pos, num_keys, scale2, cache_ptr, table, kv_head,
                 stride_cb, stride_ckv, stride_cs, stride_ch,
-                HEAD, HEAD_PAD, PAGE, TILE_N, FP8, FP8_E5M2, IEEE, False, QUERY_FP8, P_SHIFT,
+                HEAD, HEAD_PAD, PAGE, TILE_N, FP8, FP8_E5M2, IEEE, False, QUERY_FP8, P_SHIFT, PV_FP8,
             )
         for t in range(full_end, tile_hi):
             m_i, l_i, acc = _attend_tile(
                 t, m_i, l_i, acc, q, q_pos, num_keys, scale2, cache_ptr, table, kv_head,
                 stride_cb, stride_ckv, stride_cs, stride_ch,
-                HEAD, HEAD_PAD, PAGE, TILE_N, FP8, FP8_E5M2, IEEE, True, QUERY_FP8, P_SHIFT,
+                HEAD, HEAD_PAD, PAGE, TILE_N, FP8, FP8_E5M2, IEEE, True, QUERY_FP8, P_SHIFT, PV_FP8,
             )
 
     out_row = q_start + tok
@@ -334,13 +339,15 @@ def paged_attention(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     tiles: tuple[int, ...] | None = None,
+    pv_fp8: bool | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of every sequence's new tokens; see the module docstring.
 
     query [T, Hq, D]; kv_cache [NB, 2, BS, Hk, D] (uint8 for fp8, with ``quant``); block_tables
     [B, M] int32; query_start_loc [B + 1] int32; seq_lens [B] int32. ``num_splits`` None picks
     split-KV automatically for decode-only batches; an int forces it. ``tiles`` overrides the
-    (BLOCK_M, TILE_N, num_warps, num_stages[, maxnreg]) choice (for tuning). Returns ``out`` [T, Hq, D]."""
+    (BLOCK_M, TILE_N, num_warps, num_stages[, maxnreg]) choice (for tuning); ``pv_fp8`` the quantized-query
+    read's P @ V MMA (fp8, or fp16 on the same values; None: ``PV_FP8``). Returns ``out`` [T, Hq, D]."""
     num_tokens, num_heads, head = query.shape
     _, _, page, num_kv_heads, head_c = kv_cache.shape
     assert head_c == head and num_heads % num_kv_heads == 0, "query / cache shapes do not match"
@@ -393,6 +400,7 @@ def paged_attention(
         HEAD=head, HEAD_PAD=head_pad, PAGE=page, TILE_N=tile_n,
         FP8=fp8, FP8_E5M2=fp8 and quant.fp8_dtype == torch.float8_e5m2, IEEE=query.dtype == torch.float32,
         SPLIT=num_splits > 1, QUERY_FP8=query_fp8, P_SHIFT=quant.p_shift if query_fp8 else 0,
+        PV_FP8=PV_FP8 if pv_fp8 is None else pv_fp8,
         num_warps=num_warps, num_stages=num_stages, **launch_opts, **pdl.launch_options(query.device),
     )
     if num_splits > 1:
