@@ -184,7 +184,6 @@ def _attention_kernel(
         # round to nearest even; the descales go into the log2-domain score scale as FlashAttention
         # 3 folds them: (scale log2 e)(q_scale k_scale)
         q = tl.minimum(tl.maximum(q.to(tl.float32) * tl.load(inv_q_scale_ptr), -448.0), 448.0).to(tl.float8e4nv)
-        k_mul = qk_scale
         v_mul = tl.load(v_scale_ptr)
     elif FP8:
         k_mul = qk_scale * tl.load(k_scale_ptr)
