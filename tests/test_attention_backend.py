@@ -5,7 +5,6 @@ layers (``kvserve.attention_backend``)."""
 from __future__ import annotations
 
 import argparse
-import logging
 
 import pytest
 import torch
@@ -32,10 +31,9 @@ def _resolve(name, device=CUDA, dtype=BF16, kv="bfloat16", head=128) -> Attentio
     return resolve_attention_backend(name, device, dtype, KV[kv], head)
 
 
-def test_auto_off_cuda_is_the_reference(caplog):
-    with caplog.at_level(logging.INFO, logger="kvserve"):
-        assert _resolve("auto", CPU, kv="fp8_e4m3") == AttentionBackend("reference", "reference")
-    assert "Using the reference attention backend (plain torch) on cpu." in caplog.text
+def test_auto_off_cuda_is_the_reference(kvlog):
+    assert _resolve("auto", CPU, kv="fp8_e4m3") == AttentionBackend("reference", "reference")
+    assert kvlog.count("Using the reference attention backend (plain torch) on cpu.") == 1
     assert _resolve("reference", CUDA, kv="fp8_e4m3") == AttentionBackend("reference", "reference")
 
 
@@ -50,14 +48,13 @@ def test_auto_off_cuda_is_the_reference(caplog):
     (BF16, "fp8_e4m3", 512, AttentionBackend("TRITON_ATTN", "triton", True, 0)),  # FA3: head <= 256
     (BF16, "fp8_e4m3", 100, AttentionBackend("TRITON_ATTN", "triton", True, 0)),  # FA3: multiple of 8
 ])
-def test_auto_on_hopper_is_vllms_choice(capability, caplog, dtype, kv, head, want):
+def test_auto_on_hopper_is_vllms_choice(capability, kvlog, dtype, kv, head, want):
     capability((9, 0))
-    with caplog.at_level(logging.INFO, logger="kvserve"):
-        got = _resolve("auto", dtype=dtype, kv=kv, head=head)
+    got = _resolve("auto", dtype=dtype, kv=kv, head=head)
     assert got == want
-    assert (f"Using {want.name} attention backend out of potential backends: ['FLASH_ATTN', 'TRITON_ATTN']."
-            in caplog.text)
-    assert ("the query is quantized to fp8_e4m3" in caplog.text) == want.query_fp8
+    assert kvlog.count(f"Using {want.name} attention backend out of potential backends: "
+                       "['FLASH_ATTN', 'TRITON_ATTN'].") == 1
+    assert (kvlog.count("the query is quantized to fp8_e4m3") == 1) == want.query_fp8
 
 
 def test_auto_before_hopper_takes_triton_attn_for_fp8(capability):
@@ -74,14 +71,13 @@ def test_names_are_case_insensitive(capability, spelling, name):
     assert _resolve(spelling, kv="fp8_e4m3").name == name
 
 
-def test_explicit_choices_and_their_reads(capability, caplog):
+def test_explicit_choices_and_their_reads(capability, kvlog):
     capability((9, 0))
     assert _resolve("triton", kv="fp8_e4m3") == AttentionBackend("triton", "triton")  # kvserve's dequantizing read
-    with caplog.at_level(logging.INFO, logger="kvserve"):
-        assert _resolve("TRITON_ATTN", kv="fp8_e4m3") == AttentionBackend("TRITON_ATTN", "triton", True, 0)
-        assert _resolve("TRITON_ATTN", kv="fp8_e5m2") == AttentionBackend("TRITON_ATTN", "triton")
-    assert "Using TRITON_ATTN backend." in caplog.text
-    assert "fp8_e5m2 KV cache with TRITON_ATTN: the pages are read dequantized" in caplog.text
+    assert _resolve("TRITON_ATTN", kv="fp8_e4m3") == AttentionBackend("TRITON_ATTN", "triton", True, 0)
+    assert _resolve("TRITON_ATTN", kv="fp8_e5m2") == AttentionBackend("TRITON_ATTN", "triton")
+    assert kvlog.count("Using TRITON_ATTN backend.") == 2
+    assert kvlog.count("fp8_e5m2 KV cache with TRITON_ATTN: the pages are read dequantized") == 1
     assert _resolve("FLASH_ATTN", kv="float32", dtype=torch.float16) == AttentionBackend("FLASH_ATTN", "triton")
 
 
