@@ -393,11 +393,37 @@ def _print_medians(title: str, medians: dict[str, dict[str, float]]) -> None:
         print(f"  {k:16s} median {v['median_ms']:8.3f} ms  (n={v['n']})", flush=True)
 
 
+def _host_functions(eng: Any, steps: int, top: int = 25) -> list[dict[str, Any]]:
+    """cProfile of ``steps`` plain steps: Engine.step's cumulative time, then the ``top`` functions by
+    their own host time, per step."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        eng.step()
+    prof.disable()
+    stats = pstats.Stats(prof).stats  # (file, line, name) -> (primitive calls, calls, own s, cumulative s, callers)
+    rows = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    out = [{"function": f"{Path(f).name}:{line}({name})", "calls_per_step": calls / steps,
+            "own_ms_per_step": own * 1e3 / steps, "cumulative_ms_per_step": cum * 1e3 / steps}
+           for (f, line, name), (_, calls, own, cum, _) in rows]
+    step = [v[3] for (f, _, name), v in stats.items() if name == "step" and Path(f).name == "engine.py"]
+    out.insert(0, {"function": "engine.py(Engine.step)", "calls_per_step": 1.0, "own_ms_per_step": None,
+                   "cumulative_ms_per_step": step[0] * 1e3 / steps if step else None})
+    print(f"  host functions by own time, per step ({steps} plain steps under cProfile):", flush=True)
+    for r in out[1:]:
+        print(f"    {r['own_ms_per_step']:7.3f} ms own {r['cumulative_ms_per_step']:7.3f} cum "
+              f"{r['calls_per_step']:7.1f} calls  {r['function']}", flush=True)
+    return out
+
+
 def profile_decode_step(engine_kwargs: dict[str, Any], requests: list[tp.BenchRequest], steps: int,
                         temperature: float) -> dict[str, Any]:
     """One engine, all ``requests`` admitted and decoding, then three measurements of ``steps``
-    decode steps each (plain; host parts unsynchronised; serial parts synchronised) and a
-    torch.profiler table of three more."""
+    decode steps each (plain; host parts unsynchronised; serial parts synchronised), a cProfile
+    of the host's functions over ``steps`` plain steps and a torch.profiler table of three more."""
     import torch
 
     from kvserve.engine.sampling import RequestOutputKind, SamplingParams
@@ -449,6 +475,8 @@ def profile_decode_step(engine_kwargs: dict[str, Any], requests: list[tp.BenchRe
             obj.__dict__.pop(name, None)
     res["host_parts"] = _medians_ms(host)
     _print_medians("  host time per step (no added sync):", res["host_parts"])
+    res["host_functions"] = _host_functions(eng, steps)
+
 
     # 3. serial steps, each part synchronised: prepare, graph replay, logits, sampler, the rest
     if eng.async_scheduling:

@@ -136,6 +136,9 @@ def test_e2e_profile_smoke_splits_a_decode_step(tmp_path):
         prof = doc["profile"]["tiny-qwen3"][kv]
         assert prof["batch"] == 4 and prof["plain_step_ms_median"] > 0 and prof["serial_step_ms_median"] > 0
         assert {"schedule", "prepare", "_process"} <= prof["host_parts"].keys()
+        step, *funcs = prof["host_functions"]
+        assert step["function"] == "engine.py(Engine.step)" and len(funcs) == 25
+        assert all(0 <= f["own_ms_per_step"] <= step["cumulative_ms_per_step"] for f in funcs)
         assert {"execute", "compute_logits", "sampler"} <= prof["serial_parts"].keys()
         assert all(v["median_ms"] > 0 for v in prof["serial_parts"].values())
         assert prof["top_ops"] and prof["top_ops"][0]["cpu_time_total_us"] > 0
