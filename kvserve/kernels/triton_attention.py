@@ -34,6 +34,7 @@ from kvserve.kernels.triton_store import num_sms
 
 _LOG2E = 1.4426950408889634
 PV_FP8 = True  # the quantized-query read's P @ V as an fp8 MMA (False: fp16 on the same e4m3 values)
+HEAVY_FIRST = False  # launch the query blocks last-first (a causal prefill's longest blocks first)
 
 
 @triton.jit
@@ -152,9 +153,13 @@ def _attention_kernel(
     PAGE: tl.constexpr, TILE_N: tl.constexpr,
     FP8: tl.constexpr, FP8_E5M2: tl.constexpr, IEEE: tl.constexpr,
     SPLIT: tl.constexpr, PDL: tl.constexpr, QUERY_FP8: tl.constexpr, P_SHIFT: tl.constexpr, PV_FP8: tl.constexpr,
+    HEAVY_FIRST: tl.constexpr,
 ):
     pdl.start(PDL)
-    q_block = tl.program_id(0)
+    if HEAVY_FIRST:  # the GPU starts programs in launch order: the longest causal blocks first, the short ones fill in
+        q_block = tl.num_programs(0) - 1 - tl.program_id(0)
+    else:
+        q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
@@ -339,6 +344,7 @@ def paged_attention(
     num_splits: int | None = None,
     tiles: tuple[int, ...] | None = None,
     pv_fp8: bool | None = None,
+    heavy_first: bool | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of every sequence's new tokens; see the module docstring.
 
@@ -346,7 +352,8 @@ def paged_attention(
     [B, M] int32; query_start_loc [B + 1] int32; seq_lens [B] int32. ``num_splits`` None picks
     split-KV automatically for decode-only batches; an int forces it. ``tiles`` overrides the
     (BLOCK_M, TILE_N, num_warps, num_stages[, maxnreg]) choice (for tuning); ``pv_fp8`` the quantized-query
-    read's P @ V MMA (fp8, or fp16 on the same values; None: ``PV_FP8``). Returns ``out`` [T, Hq, D]."""
+    read's P @ V MMA (fp8, or fp16 on the same values; None: ``PV_FP8``); ``heavy_first`` the launch order of
+    the query blocks (None: ``HEAVY_FIRST``). Returns ``out`` [T, Hq, D]."""
     num_tokens, num_heads, head = query.shape
     _, _, page, num_kv_heads, head_c = kv_cache.shape
     assert head_c == head and num_heads % num_kv_heads == 0, "query / cache shapes do not match"
@@ -399,7 +406,7 @@ def paged_attention(
         HEAD=head, HEAD_PAD=head_pad, PAGE=page, TILE_N=tile_n,
         FP8=fp8, FP8_E5M2=fp8 and quant.fp8_dtype == torch.float8_e5m2, IEEE=query.dtype == torch.float32,
         SPLIT=num_splits > 1, QUERY_FP8=query_fp8, P_SHIFT=quant.p_shift if query_fp8 else 0,
-        PV_FP8=PV_FP8 if pv_fp8 is None else pv_fp8,
+        PV_FP8=PV_FP8 if pv_fp8 is None else pv_fp8, HEAVY_FIRST=HEAVY_FIRST if heavy_first is None else heavy_first,
         num_warps=num_warps, num_stages=num_stages, **launch_opts, **pdl.launch_options(query.device),
     )
     if num_splits > 1:
