@@ -37,6 +37,10 @@ What is measured (all in one process, one GPU):
            page size 128, PagedAttention page table over a pool of the same byte size, converted
            BlockMask, torch.compile(dynamic=False)); bf16 and fp8 pages (bf16 query, K/V upcast in
            the kernel). "auto" picks the mask structure flex is fastest with for that batch.
+  flashinfer  the same decode points, the very same pages and block tables, through FlashInfer's
+           BatchDecodeWithPagedKVCacheWrapper (benchmarks/flashinfer_peer.py; its NHD layout is
+           kvserve's), bf16 and fp8 pages (k_scale / v_scale to run), both its modes (CUDA cores,
+           tensor cores), the faster kept per point. On when flashinfer imports (--no-flashinfer).
 
 Timing: triton.testing.do_bench median (it zeroes a 256 MB buffer before every call, so each call
 starts with a cold L2; events bracket the call only); warm-up and compile happen before. Inputs are
@@ -296,9 +300,12 @@ class Run:
         self.cuda = torch.cuda.is_available() and not args.cpu
         self.dev = torch.device("cuda" if self.cuda else "cpu")
         self.t0 = time.time()
-        self.res: dict = {"checks": [], "errors": [], "skipped": [], "store": [], "decode": [], "flex": [], "prefill": []}
+        self.res: dict = {"checks": [], "errors": [], "skipped": [], "store": [], "decode": [], "flex": [], "prefill": [],
+                          "flashinfer": []}
         self.failed = False
         self.flex_off: dict[str, str] = {}  # "dtype/variant" -> why that flex path was switched off
+        self.fi = None  # FlashInfer's decode (setup_flashinfer)
+        self.fi_off: dict[str, str] = {}  # "dtype/mode" -> why that FlashInfer path was switched off
 
     # ---- bookkeeping
     def save(self) -> None:
@@ -739,6 +746,8 @@ class Run:
                     line.append(f"{name}x {ms_of['bf16'] / ms_of[name]:.2f}")
             if a.flex and (b, ctx) in self.flex_points:
                 line += self._flex_point(b, ctx, q, scale, rows)
+            if self.fi is not None:
+                line += self._flashinfer_point(b, ctx, q, bt, scale, rows)
             print("[decode] " + " | ".join(line))
             del bt, qsl, sl, q, out
             self.save()
@@ -785,6 +794,60 @@ class Run:
             if best is not None:
                 best["best_of_variants"] = True
                 line.append(f"flex-{name}({best['variant'][0]}) {best['ms'] * 1e3:8.1f}us {fmt(best['pct_copy'], '.0f')}%")
+        return line
+
+    def setup_flashinfer(self) -> None:
+        """FlashInfer as the decode peer where it imports; why not, in the JSON, where it does not."""
+        import flashinfer_peer
+
+        self.fi = None
+        why = "--no-flashinfer" if not self.args.flashinfer else flashinfer_peer.available()
+        if why:
+            self.res["skipped"].append(f"flashinfer: {why}")
+            return
+        self.fi = flashinfer_peer.FlashInferDecode(self.dev)
+        self.res["flashinfer_version"] = self.fi.version
+        print(f"[flashinfer] {self.fi.version}: decode peer on (modes {list(flashinfer_peer.MODES)})")
+
+    def _flashinfer_point(self, b, ctx, q, bt, scale, rows) -> list[str]:
+        """FlashInfer on this point's pages, bf16 and fp8, each mode checked on rows 0 and B-1 against
+        the reference read, timed like ours; the faster mode is marked best_of_modes."""
+        a = self.args
+        hq, hk, d, bs = a.q_heads, a.kv_heads, a.head_dim, a.block_size
+        line = []
+        for name, pool, quant in self.caches()[:2]:  # bf16, fp8 (FlashInfer reads fp8 pages one way)
+            scales = {"k_scale": a.k_scale, "v_scale": a.v_scale} if quant is not None else {}
+            expect = self.expect(q[rows], pool, bt[rows], [1] * len(rows), [ctx] * len(rows), scale, quant)
+            best = None
+            for mode in self.fi.wrappers:
+                tag = f"decode flashinfer {name} {mode} B={b} ctx={ctx}"
+                if f"{name}/{mode}" in self.fi_off:
+                    continue
+                try:
+                    self.fi.plan(mode, bt, ctx, hq, hk, d, bs, quant is not None, scale)
+                    out = torch.full_like(q, float("nan"))
+                    self.fi.run(mode, q, pool, out, **scales)
+                    err = rel_err(out[rows], expect)
+                    self.check(tag, err, nonfinite=int((~torch.isfinite(out)).sum()))
+                    t = self.timer.time(lambda: self.fi.run(mode, q, pool, out, **scales), "flashinfer")
+                    kv = b * ctx * hk * d * 2 * (2 if name == "bf16" else 1)
+                    nbytes = kv + 2 * b * hq * d * 2 + b * math.ceil(ctx / bs) * 4 + (2 * b + 1) * 4
+                    bw = self.gbps(nbytes, t["ms"])
+                    row = {"batch": b, "context": ctx, "cache_dtype": name, "mode": mode, "kv_bytes": kv,
+                           "bytes": nbytes, **t, "GBps": bw, "pct_copy": self.pct(bw), "rel_err": err}
+                    self.res["flashinfer"].append(row)
+                    if best is None or t["ms"] < best["ms"]:
+                        best = row
+                except Exception as e:  # a mode FlashInfer cannot build or run for this dtype: off, recorded
+                    self.fi_off[f"{name}/{mode}"] = f"{type(e).__name__}: {str(e)[:300]}"
+                    self.res.setdefault("flashinfer_errors", []).append({
+                        "where": tag, "error": f"{type(e).__name__}: {e}"[:2000],
+                        "traceback": traceback.format_exc()[-3000:]})
+                    print(f"[flashinfer] {tag}: {type(e).__name__}: {str(e)[:300]} -> off for the rest of the run")
+                    torch.cuda.synchronize()
+            if best is not None:
+                best["best_of_modes"] = True
+                line.append(f"fi-{name}({best['mode'][0]}) {best['ms'] * 1e3:8.1f}us {fmt(best['pct_copy'], '.0f')}%")
         return line
 
     # ---- smoke: int64 offsets with pools of more than 2^31 elements (CPU interpreter)
@@ -851,6 +914,12 @@ class Run:
             {"batch": k[0], "context": k[1], "cache_dtype": k[2], "ours_ms": dec[k]["ms"], "flex_ms": f["ms"],
              "flex_variant": f["variant"], "ours_speedup": f["ms"] / dec[k]["ms"]}
             for k, f in sorted(best.items()) if k in dec]
+        fi = {(f["batch"], f["context"], f["cache_dtype"]): f for f in r["flashinfer"] if f.get("best_of_modes")}
+        r["ours_vs_flashinfer"] = [
+            {"batch": k[0], "context": k[1], "cache_dtype": k[2], "ours_ms": dec[k]["ms"], "flashinfer_ms": f["ms"],
+             "flashinfer_mode": f["mode"], "ours_speedup": f["ms"] / dec[k]["ms"]}
+            for k, f in sorted(fi.items()) if k in dec]
+        r["flashinfer_off"] = getattr(self, "fi_off", {})
         r["graph_timing_off"] = self.timer.graph_off if hasattr(self, "timer") else {}
         r["flex_off"] = self.flex_off
 
@@ -912,6 +981,13 @@ class Run:
                 v8 = f8["variant"][0] if f8 else " "
                 tok = f"{ob['tokens_per_s']:10.3g}" if ob else "-"
                 L.append(f"{b:5d} {c:6d} | {us(ob)} | {us(o8)} {fp8x} | {us(oq)} {fp8qx} | {us(fb)} {vb} | {us(f8)} {v8} | {xb} {x8} | {tok}")
+        if r.get("ours_vs_flashinfer"):
+            L.append("decode vs FlashInfer (best of its modes; x = FlashInfer time / ours)")
+            for v in r["ours_vs_flashinfer"]:
+                L.append(f"{v['batch']:5d} {v['context']:6d} {v['cache_dtype']:5s} ours {v['ours_ms'] * 1e3:8.1f}us "
+                         f"fi {v['flashinfer_ms'] * 1e3:8.1f}us ({v['flashinfer_mode']}) x {v['ours_speedup']:.2f}")
+        for k, v in r.get("flashinfer_off", {}).items():
+            L.append(f"  flashinfer {k} off: {v[:200]}")
         g = [(x["graph_ms"] / x["ms"], x) for x in r["decode"] + r["flex"] + r["store"] if x.get("graph_ms") and x["ms"] > 0]
         if g:
             far = [t for t in g if abs(t[0] - 1) > 0.10]
@@ -953,6 +1029,8 @@ def parse_args(argv=None):
     p.add_argument("--flex-variants", choices=("auto", "both", "full", "partial"), default="auto")
     p.add_argument("--flex-page-size", type=int, default=128)
     p.add_argument("--no-graph", dest="graph", action="store_false")
+    p.add_argument("--no-flashinfer", dest="flashinfer", action="store_false",
+                   help="no FlashInfer decode peer (it runs where flashinfer imports)")
     p.add_argument("--fp8q-pv16", action="store_true",
                    help="also the quantized-query read with P @ V in fp16 on the e4m3 values (JSON: fp8q_pv16)")
     p.add_argument("--no-bigpool", dest="bigpool", action="store_false", help="--smoke: skip the >2^31-element pool check")
@@ -1025,6 +1103,11 @@ def main(argv=None) -> int:
                 except Exception as e:
                     run.flex_error("flex setup", "all", e)
                     args.flex = False
+            try:
+                run.setup_flashinfer()
+            except Exception as e:
+                run.error("flashinfer setup", e)
+                run.fi = None
             run.bench_decode(points)
         if args.smoke and not cuda and args.bigpool:
             run.bigpool_check()

@@ -116,6 +116,8 @@ def test_kernels_smoke_checks_every_kernel_against_the_reference(tmp_path):
         assert doc[section] and all(row["ms"] > 0 for row in doc[section]), section
     assert {d["cache_dtype"] for d in doc["decode"]} == {"bf16", "fp8", "fp8q"}  # fp8q: the quantized-query read
     assert {p["impl"] for p in doc["prefill"]} == {"ours", "ours_fp8", "ours_fp8q", "sdpa_gqa", "sdpa_repeat_kv"}
+    # FlashInfer, the decode peer, needs CUDA: the run says why it is absent instead of dropping it silently
+    assert doc["flashinfer"] == [] and "flashinfer: no CUDA device" in doc["skipped"]
 
 
 def test_e2e_smoke_runs_both_kv_dtypes_and_the_transformers_peer(tmp_path):
