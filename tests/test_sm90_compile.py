@@ -60,9 +60,9 @@ for name, qlen, head, g, fp8, qfp8, pv_fp8 in json.loads(sys.argv[1]):
         continue
     ir = k.asm["ttgir"]
     dots = [l for l in ir.splitlines() if re.search(r"warp_group_dot |tt\.dot ", l)]
+    fp8 = re.compile(r"(: tensor|\* !?\S*)<\d+x\d+xf8E4M3FN")  # an MMA operand of e4m3 values
     out[name] = {"cubin_bytes": len(k.asm["cubin"]), "wgmma": any("warp_group_dot" in l for l in dots),
-                 "fp8_operands": any(re.search(r"\* !?\S*<\d+x\d+xf8E4M3FN", l) or re.search(r": tensor<\d+x\d+xf8E4M3FN", l)
-                                     for l in dots)}
+                 "fp8_operands": any(fp8.search(l) for l in dots)}
 print("RESULT " + json.dumps(out))
 """
 
