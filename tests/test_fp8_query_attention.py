@@ -85,6 +85,15 @@ def test_mixed_batch_matches_the_twin(case):
     _check(b, _quant(shift, q_scale), pv_fp8=CPU_CASES.index(case) % 2 == 0)
 
 
+def test_chunks_over_several_query_blocks_match_the_twin():
+    """G = 6 (head 256's grouping, here at head 64): a program holds 10 query tokens, so the 45- and
+    64-token chunks span several blocks."""
+    from test_triton_kernels import SPANNING_QLENS, SPANNING_SEQLENS
+
+    b = _make_batch(SPANNING_QLENS, SPANNING_SEQLENS, 12, 2, 64, 16, torch.bfloat16, "fp8_e4m3", _gen("fp8q-span"))
+    _check(b, _quant(8, 0.8))
+
+
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("qd", ["fp32", "bf16"])
 def test_decode_batch_matches_the_twin(qd, num_splits):

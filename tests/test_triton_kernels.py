@@ -457,6 +457,21 @@ def test_attention_at_tile_boundaries(case):
     _check_attention(_make_batch([1] * 6, [63, 64, 65, 127, 128, 129], hq, hk, d, bs, FLOAT[qd], cache, gen), num_splits=2)
 
 
+# Chunks longer than a program's BLOCK_Q = BLOCK_M // G tokens (21 at G = 3, 10 at G = 6 with 64
+# rows): several query blocks per sequence whose token count is not a power of two, with decodes
+# and a chunk over cached context between them.
+SPANNING_QLENS = [45, 1, 64, 22, 1, 10]
+SPANNING_SEQLENS = [45, 30, 100, 22, 7, 31]
+
+
+@pytest.mark.parametrize("case", [(6, 2, 64, 16, "bf16", "bf16"), (12, 2, 64, 16, "fp32", "fp8_e4m3"),
+                                  (3, 1, 128, 32, "fp32", "fp32")], ids=_case_id)
+def test_attention_chunks_span_query_blocks_of_a_group_not_a_power_of_two(case):
+    hq, hk, d, bs, qd, cache = case
+    b = _make_batch(SPANNING_QLENS, SPANNING_SEQLENS, hq, hk, d, bs, FLOAT[qd], cache, _gen("spanning", case))
+    _check_attention(b, heavy_first=hq == 12)
+
+
 # ---- attention, GPU grid ---------------------------------------------------------------------
 GPU_GQA = [(8, 8), (8, 4), (9, 3), (8, 2), (32, 8)]
 GPU_CACHES = ["bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2"]

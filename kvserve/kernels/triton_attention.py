@@ -1,10 +1,10 @@
 """Triton unified paged attention over bf16/fp16/fp32 or fp8 pages.
 
 One kernel serves a mixed batch: prefill chunks over their cached context and decode tokens. A
-program owns ``BLOCK_Q`` query tokens of one sequence times the ``G = Hq / Hk`` query heads that
-share one KV head (``BLOCK_M = BLOCK_Q * G`` rows), and walks that sequence's pages in tiles of
-``TILE_N`` tokens (a tile may span several pages; each token's page comes from the block table).
-fp8 pages are read as bytes, converted exactly to the query dtype, and the per-tensor scales are
+program owns ``BLOCK_Q = BLOCK_M // G`` query tokens of one sequence times the ``G = Hq / Hk`` query
+heads that share one KV head (``BLOCK_Q * G`` of its ``BLOCK_M`` rows), and walks that sequence's
+pages in tiles of ``TILE_N`` tokens (a tile may span several pages; each token's page comes from
+the block table). fp8 pages are read as bytes, converted exactly to the query dtype, and the per-tensor scales are
 applied to the fp32 scores (``k_scale``) and to the fp32 output (``v_scale``); or, with
 ``CacheQuant.query_fp8`` (vLLM's FLASH_ATTN / TRITON_ATTN on CUDA, e4m3 pages), the query is
 rounded to e4m3 with ``q_scale`` as vLLM's QuantFP8 does, both products are fp8 dots, and P is scaled
@@ -376,7 +376,7 @@ def paged_attention(
         max_query_len, group, head_pad, is_cuda, quant is not None, num_splits > 1, query.dtype == torch.float32
     )
     launch_opts = {"maxnreg": maxnreg[0]} if is_cuda and maxnreg and maxnreg[0] else {}
-    block_q = block_m // triton.next_power_of_2(group)
+    block_q = block_m // group  # G = 6 (head 256): 21 tokens fill 126 of 128 rows (a power-of-two G: 16 fill 96)
     fp8 = quant is not None
     query_fp8 = fp8 and quant.query_fp8
     if quant is None:
