@@ -52,7 +52,11 @@ for name, qlen, head, g, fp8, qfp8, pv_fp8 in json.loads(sys.argv[1]):
                  P_SHIFT=8 if qfp8 else 0, PV_FP8=pv_fp8, HEAVY_FIRST=False)
     sig = {n: "constexpr" if n in const else POINTERS.get(n) or ("fp32" if n == "qk_scale" else "i32") for n in names}
     sig["cache_ptr"] = "*u8" if fp8 else "*bf16"
-    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()})
+    # what a launch tells the compiler: pointers and the cache's / heads' strides are multiples of 16
+    div16 = [n for n in names if n.endswith("_ptr") or n in ("stride_qh", "stride_oh", "stride_cb", "stride_ckv",
+                                                             "stride_cs", "stride_ch")]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div16}
+    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
     try:
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
     except Exception as e:
@@ -62,7 +66,8 @@ for name, qlen, head, g, fp8, qfp8, pv_fp8 in json.loads(sys.argv[1]):
     dots = [l for l in ir.splitlines() if re.search(r"warp_group_dot |tt\.dot ", l)]
     fp8 = re.compile(r"(: tensor|\* !?\S*)<\d+x\d+xf8E4M3FN")  # an MMA operand of e4m3 values
     out[name] = {"cubin_bytes": len(k.asm["cubin"]), "wgmma": any("warp_group_dot" in l for l in dots),
-                 "fp8_operands": any(fp8.search(l) for l in dots)}
+                 "fp8_operands": any(fp8.search(l) for l in dots),
+                 "async_copies": ir.count("async_copy_global_to_local")}
 print("RESULT " + json.dumps(out))
 """
 
@@ -96,6 +101,7 @@ def test_attention_compiles_for_sm90(compiled, variant):
     assert "error" not in got, got.get("error")
     assert got["cubin_bytes"] > 10_000  # a real kernel's machine code, not an empty module
     assert got["wgmma"] == (qlen > 1), "prefill tiles (>= 64 rows) use Hopper's wgmma, decode's 16 rows mma.sync"
+    assert got["async_copies"] > 0, "the page loads are not pipelined (cp.async into shared memory)"
 
 
 def test_quantized_query_prefill_runs_on_fp8_tensor_cores(compiled):
