@@ -46,7 +46,7 @@ POINTERS = {"out_ptr": "*bf16", "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32",
             "v_scale_ptr": "*fp32", "q_scale_ptr": "*fp32", "inv_q_scale_ptr": "*fp32"}
 out = {}
 for name, qlen, head, g, fp8, qfp8, pv_fp8 in json.loads(sys.argv[1]):
-    bm, tn, warps, stages, _ = ta._tile_config(qlen, g, head, True, fp8, False, False)
+    bm, tn, warps, stages, maxnreg = ta._tile_config(qlen, g, head, True, fp8, False, False, qfp8)
     const = dict(G=g, BLOCK_M=bm, BLOCK_Q=bm // triton.next_power_of_2(g), HEAD=head, HEAD_PAD=head, PAGE=16,
                  TILE_N=tn, FP8=fp8, FP8_E5M2=False, IEEE=False, SPLIT=False, PDL=False, QUERY_FP8=qfp8,
                  P_SHIFT=8 if qfp8 else 0, PV_FP8=pv_fp8, HEAVY_FIRST=False)
@@ -58,7 +58,8 @@ for name, qlen, head, g, fp8, qfp8, pv_fp8 in json.loads(sys.argv[1]):
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div16}
     src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
     try:
-        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": warps, "num_stages": stages, **({"maxnreg": maxnreg} if maxnreg else {})})
     except Exception as e:
         out[name] = {"error": f"{type(e).__name__}: {str(e)[:2000]}"}
         continue

@@ -306,18 +306,21 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device
 
 def _tile_config(
     max_query_len: int, group: int, head_pad: int, is_cuda: bool, fp8: bool = False, split: bool = False,
-    ieee: bool = False,
+    ieee: bool = False, query_fp8: bool = False,
 ) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, TILE_N, num_warps, num_stages, maxnreg; 0 = no cap) for the batch shape (tuned on
     the H200 with probes now in git history, findings in benchmarks/HISTORY.md: decode
     tiles of ~16 KB of K per stage; bf16 split-KV parts read 128-key tiles, 9-35% faster there;
     fp8 two stages, and at most 168 registers per thread: 3 programs per multiprocessor instead
-    of 2 at G <= 2 (204 registers uncapped), 10% faster, no spills)."""
+    of 2 at G <= 2 (204 registers uncapped), 10% faster, no spills). The quantized-query read
+    (``query_fp8``) decodes head 128 in 64-key tiles: under the 168-register cap its 128-key tile
+    spills 292 bytes a thread, the 64-key one none (ptxas for sm_90, Triton 3.6; the dequantizing
+    read's 128-key tile fits the cap, docs/GPU.md)."""
     g = triton.next_power_of_2(group)
     if max_query_len == 1:
         block_m = max(16, g)  # one decode token x G heads, padded for tl.dot
         if fp8:
-            tile_n = 128 if head_pad <= 128 else 64
+            tile_n = 128 if head_pad <= 128 and not query_fp8 else 64
             return block_m, tile_n, 4, (2 if is_cuda else 1), (168 if head_pad <= 128 else 0)
         tile_n = (128 if split else 64) if head_pad <= 128 else 32
         return block_m, tile_n, 4, ((2 if split else 3) if is_cuda else 1), 0
@@ -373,7 +376,8 @@ def paged_attention(
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, query.device) if max_query_len == 1 else 1
     block_m, tile_n, num_warps, num_stages, *maxnreg = tiles or _tile_config(
-        max_query_len, group, head_pad, is_cuda, quant is not None, num_splits > 1, query.dtype == torch.float32
+        max_query_len, group, head_pad, is_cuda, quant is not None, num_splits > 1, query.dtype == torch.float32,
+        quant is not None and quant.query_fp8,
     )
     launch_opts = {"maxnreg": maxnreg[0]} if is_cuda and maxnreg and maxnreg[0] else {}
     block_q = block_m // group  # G = 6 (head 256): 21 tokens fill 126 of 128 rows (a power-of-two G: 16 fill 96)
