@@ -57,9 +57,9 @@ for name, qlen, head, g, fp8, qfp8, pv_fp8 in json.loads(sys.argv[1]):
                                                              "stride_cs", "stride_ch")]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div16}
     src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
+    options = {"num_warps": warps, "num_stages": stages, **({"maxnreg": maxnreg} if maxnreg else {})}
     try:
-        k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": warps, "num_stages": stages, **({"maxnreg": maxnreg} if maxnreg else {})})
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     except Exception as e:
         out[name] = {"error": f"{type(e).__name__}: {str(e)[:2000]}"}
         continue
