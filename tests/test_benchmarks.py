@@ -19,7 +19,7 @@ RUN_FIELDS = {"benchmark", "date", "command", "smoke", "git_commit", "gpu", "cpu
               "transformers"}
 # one smoke test per script below; the helper modules beside them are not benchmarks
 SMOKE_TESTED = {"kernel_bench", "e2e_bench", "gdn_bench", "hybrid_bench", "quant_bench", "serve_bench", "cpu_bench"}
-HELPERS = {"common", "flex_paged"}
+HELPERS = {"common", "flex_paged", "flashinfer_peer"}
 FAMILIES = ("kernels", "e2e", "gdn", "hybrid", "quant", "serve", "cpu", "profile")
 
 
