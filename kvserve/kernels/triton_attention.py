@@ -33,7 +33,11 @@ from kvserve.kernels.reference import CacheQuant
 from kvserve.kernels.triton_store import num_sms
 
 _LOG2E = 1.4426950408889634
-PV_FP8 = True  # the quantized-query read's P @ V as an fp8 MMA (False: fp16 on the same e4m3 values)
+# The quantized-query read's P @ V as an fp8 MMA up to this head size, above it an fp16 MMA on the same
+# e4m3 values (the same result): at head 256 the fp8 one stages V transposed through registers and
+# spills 656-1,080 bytes a thread in every prefill tile tried, the fp16 one 0-108 (ptxas for sm_90,
+# Triton 3.6; docs/GPU.md). Not yet timed on the GPU.
+PV_FP8_MAX_HEAD = 128
 HEAVY_FIRST = False  # launch the query blocks last-first (a causal prefill's longest blocks first)
 
 
@@ -354,9 +358,10 @@ def paged_attention(
     query [T, Hq, D]; kv_cache [NB, 2, BS, Hk, D] (uint8 for fp8, with ``quant``); block_tables
     [B, M] int32; query_start_loc [B + 1] int32; seq_lens [B] int32. ``num_splits`` None picks
     split-KV automatically for decode-only batches; an int forces it. ``tiles`` overrides the
-    (BLOCK_M, TILE_N, num_warps, num_stages[, maxnreg]) choice (for tuning); ``pv_fp8`` the quantized-query
-    read's P @ V MMA (fp8, or fp16 on the same values; None: ``PV_FP8``); ``heavy_first`` the launch order of
-    the query blocks (None: ``HEAVY_FIRST``). Returns ``out`` [T, Hq, D]."""
+    (BLOCK_M, TILE_N, num_warps, num_stages[, maxnreg]) choice (for tuning); ``pv_fp8`` the
+    quantized-query read's P @ V MMA (fp8, or fp16 on the same values; None: fp8 up to
+    ``PV_FP8_MAX_HEAD``); ``heavy_first`` the launch order of the query blocks (None:
+    ``HEAVY_FIRST``). Returns ``out`` [T, Hq, D]."""
     num_tokens, num_heads, head = query.shape
     _, _, page, num_kv_heads, head_c = kv_cache.shape
     assert head_c == head and num_heads % num_kv_heads == 0, "query / cache shapes do not match"
@@ -410,7 +415,8 @@ def paged_attention(
         HEAD=head, HEAD_PAD=head_pad, PAGE=page, TILE_N=tile_n,
         FP8=fp8, FP8_E5M2=fp8 and quant.fp8_dtype == torch.float8_e5m2, IEEE=query.dtype == torch.float32,
         SPLIT=num_splits > 1, QUERY_FP8=query_fp8, P_SHIFT=quant.p_shift if query_fp8 else 0,
-        PV_FP8=PV_FP8 if pv_fp8 is None else pv_fp8, HEAVY_FIRST=HEAVY_FIRST if heavy_first is None else heavy_first,
+        PV_FP8=head_pad <= PV_FP8_MAX_HEAD if pv_fp8 is None else pv_fp8,
+        HEAVY_FIRST=HEAVY_FIRST if heavy_first is None else heavy_first,
         num_warps=num_warps, num_stages=num_stages, **launch_opts, **pdl.launch_options(query.device),
     )
     if num_splits > 1:
