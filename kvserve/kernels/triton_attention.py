@@ -4,8 +4,9 @@ One kernel serves a mixed batch: prefill chunks over their cached context and de
 program owns ``BLOCK_Q = BLOCK_M // G`` query tokens of one sequence times the ``G = Hq / Hk`` query
 heads that share one KV head (``BLOCK_Q * G`` of its ``BLOCK_M`` rows), and walks that sequence's
 pages in tiles of ``TILE_N`` tokens (a tile may span several pages; each token's page comes from
-the block table). fp8 pages are read as bytes, converted exactly to the query dtype, and the per-tensor scales are
-applied to the fp32 scores (``k_scale``) and to the fp32 output (``v_scale``); or, with
+the block table). fp8 pages are read as bytes, converted exactly to the query dtype, and the
+per-tensor scales are applied to the fp32 scores (``k_scale``) and to the fp32 output
+(``v_scale``); or, with
 ``CacheQuant.query_fp8`` (vLLM's FLASH_ATTN / TRITON_ATTN on CUDA, e4m3 pages), the query is
 rounded to e4m3 with ``q_scale`` as vLLM's QuantFP8 does, both products are fp8 dots, and P is scaled
 by 2^p_shift (FlashAttention 3's Max_offset, 8) and rounded to e4m3 for P @ V, as FA3 does; its twin
@@ -385,7 +386,7 @@ def paged_attention(
         quant is not None and quant.query_fp8,
     )
     launch_opts = {"maxnreg": maxnreg[0]} if is_cuda and maxnreg and maxnreg[0] else {}
-    block_q = block_m // group  # G = 6 (head 256): 21 tokens fill 126 of 128 rows (a power-of-two G: 16 fill 96)
+    block_q = block_m // group  # G = 6 (head 256): 21 tokens, 126 of 128 rows busy (G padded to 8: 16 tokens, 96)
     fp8 = quant is not None
     query_fp8 = fp8 and quant.query_fp8
     if quant is None:
