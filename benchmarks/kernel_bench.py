@@ -917,8 +917,8 @@ class Run:
         fi = {(f["batch"], f["context"], f["cache_dtype"]): f for f in r["flashinfer"] if f.get("best_of_modes")}
         # FlashInfer's fp8 read against both of ours: the dequantizing one (fp8) and the quantized query (fp8q)
         r["ours_vs_flashinfer"] = [
-            {"batch": b, "context": c, "cache_dtype": ours, "ours_ms": dec[(b, c, ours)]["ms"], "flashinfer_ms": f["ms"],
-             "flashinfer_mode": f["mode"], "ours_speedup": f["ms"] / dec[(b, c, ours)]["ms"]}
+            {"batch": b, "context": c, "cache_dtype": ours, "ours_ms": dec[(b, c, ours)]["ms"],
+             "flashinfer_ms": f["ms"], "flashinfer_mode": f["mode"], "ours_speedup": f["ms"] / dec[(b, c, ours)]["ms"]}
             for (b, c, name), f in sorted(fi.items()) for ours in ((name,) if name == "bf16" else ("fp8", "fp8q"))
             if (b, c, ours) in dec]
         r["flashinfer_off"] = self.fi_off
