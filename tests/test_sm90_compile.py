@@ -47,7 +47,8 @@ POINTERS = {"out_ptr": "*bf16", "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32",
 out = {}
 for name, qlen, head, g, fp8, qfp8, pv_fp8 in json.loads(sys.argv[1]):
     bm, tn, warps, stages, maxnreg = ta._tile_config(qlen, g, head, True, fp8, False, False, qfp8)
-    const = dict(G=g, BLOCK_M=bm, BLOCK_Q=bm // triton.next_power_of_2(g), HEAD=head, HEAD_PAD=head, PAGE=16,
+    # the constexprs paged_attention launches with for this shape (BLOCK_Q = BLOCK_M // G, as it computes)
+    const = dict(G=g, BLOCK_M=bm, BLOCK_Q=bm // g, HEAD=head, HEAD_PAD=head, PAGE=16,
                  TILE_N=tn, FP8=fp8, FP8_E5M2=False, IEEE=False, SPLIT=False, PDL=False, QUERY_FP8=qfp8,
                  P_SHIFT=8 if qfp8 else 0, PV_FP8=pv_fp8, HEAVY_FIRST=False)
     sig = {n: "constexpr" if n in const else POINTERS.get(n) or ("fp32" if n == "qk_scale" else "i32") for n in names}
