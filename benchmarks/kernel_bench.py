@@ -360,8 +360,8 @@ class Run:
                             query_fp8=query_fp8, p_shift=8)
 
     def pv_kw(self, name: str) -> dict:
-        """The kernel's keyword for the fp8q_pv16 variant (P @ V in fp16)."""
-        return {"pv_fp8": False} if name == "fp8q_pv16" else {}
+        """The kernel's keyword for the fp8q_pv8 variant (P @ V as an fp8 MMA, where the kernel can)."""
+        return {"pv_fp8": True} if name == "fp8q_pv8" else {}
 
     def expect(self, q, pool, bt, qlens, slens, scale, quant, num_splits=1):
         """The check's ground truth: the reference read, or the quantized-query twin with the
@@ -372,7 +372,7 @@ class Run:
 
             d = q.shape[-1]
             tile = _tile_config(max(qlens), q.shape[1] // pool.shape[3], 1 << (d - 1).bit_length(), q.is_cuda, True,
-                                num_splits > 1, q.dtype == torch.float32, query_fp8=True)[1]
+                                num_splits > 1, q.dtype == torch.float32)[1]
             return r.paged_attention_fp8_query(q, pool, bt, qlens, slens, scale, quant, tile, num_splits=num_splits)
         return r.paged_attention(q, pool, bt, qlens, slens, scale, quant=quant)
 
@@ -459,8 +459,8 @@ class Run:
         quantized query (fp8q: vLLM's FLASH_ATTN)."""
         kinds = [("bf16", self.pool["bf16"], None), ("fp8", self.pool["fp8"], self.quant()),
                  ("fp8q", self.pool["fp8"], self.quant(query_fp8=True))]
-        if self.args.fp8q_pv16:  # the same read with P @ V in fp16 on the e4m3 values (JSON only)
-            kinds.append(("fp8q_pv16", self.pool["fp8"], self.quant(query_fp8=True)))
+        if self.args.fp8q_pv8:  # the same read with P @ V as an fp8 MMA (JSON only)
+            kinds.append(("fp8q_pv8", self.pool["fp8"], self.quant(query_fp8=True)))
         return tuple(kinds)
 
     # ---- b. store
@@ -538,7 +538,7 @@ class Run:
         scale = d ** -0.5
         ref = self.impl.reference
         F = torch.nn.functional
-        impl_of = {"bf16": "ours", "fp8": "ours_fp8", "fp8q": "ours_fp8q", "fp8q_pv16": "ours_fp8q_pv16"}
+        impl_of = {"bf16": "ours", "fp8": "ours_fp8", "fp8q": "ours_fp8q", "fp8q_pv8": "ours_fp8q_pv8"}
         for T in a.prefill_tokens:
             if self.over_budget(f"prefill T={T}"):
                 return
@@ -580,6 +580,7 @@ class Run:
                     o = fn()[0].transpose(0, 1)
                     self.check(f"{tag} {nm}", rel_err(o, bf16_expect))
                 fns.update(sdpa_gqa=sdpa_gqa, sdpa_repeat_kv=sdpa_rep)
+                fns.update(self._sdpa_backends(tag, qs, kx, vx, scale, bf16_expect))
                 flops = 2 * 2 * T * T / 2 * hq * d
                 rows = {}
                 for nm, fn in fns.items():
@@ -590,14 +591,41 @@ class Run:
                 for nm in (n for n in impl_of.values() if n in rows):
                     rows[nm]["speed_vs_best_sdpa"] = best / rows[nm]["ms"]
                     rows[nm]["speed_vs_bf16_pages"] = rows["ours"]["ms"] / rows[nm]["ms"]
+                    for peer in (n for n in SDPA_BACKENDS if n in rows):
+                        rows[nm][f"speed_vs_{peer}"] = rows[peer]["ms"] / rows[nm]["ms"]
                 self.res["prefill"].extend(rows.values())
                 print(f"[prefill] T={T:5d} ours bf16 / fp8 / fp8q {rows['ours']['tflops']:6.1f} / {rows['ours_fp8']['tflops']:6.1f}"
                       f" / {rows['ours_fp8q']['tflops']:6.1f} TF/s  sdpa_gqa {rows['sdpa_gqa']['tflops']:6.1f}"
-                      f"  sdpa_rep {rows['sdpa_repeat_kv']['tflops']:6.1f}  ours/best {rows['ours']['speed_vs_best_sdpa']:.2f}x")
+                      f"  sdpa_rep {rows['sdpa_repeat_kv']['tflops']:6.1f}  ours/best {rows['ours']['speed_vs_best_sdpa']:.2f}x"
+                      + "".join(f"  {n} {rows[n]['tflops']:6.1f}" for n in SDPA_BACKENDS if n in rows))
                 del k, v, q, out, qs, ks, vs, kx, vx, bf16_expect
             except Exception as e:
                 self.error(tag, e)
             self.save()
+
+    def _sdpa_backends(self, tag, qs, kx, vx, scale, expect) -> dict:
+        """SDPA pinned to each CUDA backend (torch's default may pick cuDNN's kernel over
+        FlashAttention-2 on Hopper): the prefill peers by name; absent ones are recorded as skipped."""
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        fns = {}
+        for nm, backend in SDPA_BACKENDS.items():
+            if not self.cuda:
+                self.res["skipped"].append(f"{tag} {nm}: needs CUDA")
+                continue
+
+            def fn(backend=getattr(SDPBackend, backend)):
+                with sdpa_kernel(backend):
+                    return torch.nn.functional.scaled_dot_product_attention(qs, kx, vx, is_causal=True, scale=scale)
+
+            try:
+                o = fn()[0].transpose(0, 1)
+            except Exception as e:  # the backend does not take this shape / dtype / GPU
+                self.res["skipped"].append(f"{tag} {nm}: {type(e).__name__}: {str(e)[:200]}")
+                continue
+            self.check(f"{tag} {nm}", rel_err(o, expect))
+            fns[nm] = fn
+        return fns
 
     # ---- c + d. decode (ours) and flex
     def setup_flex(self, points) -> None:
@@ -1016,6 +1044,10 @@ class Run:
         return "\n".join(L)
 
 
+# SDPA pinned to one backend (torch.nn.attention.SDPBackend names): FLASH_ATTENTION is FlashAttention-2
+SDPA_BACKENDS = {"sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION"}
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
@@ -1033,8 +1065,8 @@ def parse_args(argv=None):
     p.add_argument("--no-graph", dest="graph", action="store_false")
     p.add_argument("--no-flashinfer", dest="flashinfer", action="store_false",
                    help="no FlashInfer decode peer (it runs where flashinfer imports)")
-    p.add_argument("--fp8q-pv16", action="store_true",
-                   help="also the quantized-query read with P @ V in fp16 on the e4m3 values (JSON: fp8q_pv16)")
+    p.add_argument("--fp8q-pv8", action="store_true",
+                   help="also the quantized-query read with P @ V as an fp8 MMA in prefill tiles (JSON: fp8q_pv8)")
     p.add_argument("--no-bigpool", dest="bigpool", action="store_false", help="--smoke: skip the >2^31-element pool check")
     p.add_argument("--batches", type=ints, default=None)
     p.add_argument("--contexts", type=ints, default=None)

@@ -34,12 +34,18 @@ from kvserve.kernels.reference import CacheQuant
 from kvserve.kernels.triton_store import num_sms
 
 _LOG2E = 1.4426950408889634
-# The quantized-query read's P @ V as an fp8 MMA up to this head size, above it an fp16 MMA on the same
-# e4m3 values (the same result): at head 256 the fp8 one stages V transposed through registers and
-# spills 656-1,080 bytes a thread in every prefill tile tried, the fp16 one 0-108 (ptxas for sm_90,
-# Triton 3.6; docs/GPU.md). Not yet timed on the GPU.
-PV_FP8_MAX_HEAD = 128
-HEAVY_FIRST = False  # launch the query blocks last-first (a causal prefill's longest blocks first)
+# The quantized-query read's P @ V as an fp8 MMA (True) or an fp16 MMA on the same e4m3 values (the
+# same products, fp32 sums): fp16, since the fp8 one stages V transposed and was 1.6-2.6x slower in
+# every prefill on the H200 (head 128 / 256, 1k / 4k tokens: 1,047 vs 495 us at head 128, 4,096 tokens;
+# benchmarks/RESULTS.md, 2026-12-06) and no faster in decode.
+PV_FP8 = False
+# Launch the query blocks last-first (a causal prefill's longest blocks first): 4-12% faster prefills
+# on the H200 in every read and head size probed (2026-12-06), a no-op for decode.
+HEAVY_FIRST = True
+# The quantized query's Q K^T as an fp16 MMA on the e4m3 values below this many rows a program
+# (decode tiles: mma.sync, where an fp8 operand is converted anyway, and its fp8 K tile spilled
+# at 128 keys); wgmma tiles (64+ rows) multiply the fp8 operands on fp8 tensor cores.
+FP16_MMA_BELOW_ROWS = 64
 
 
 @triton.jit
@@ -71,14 +77,15 @@ def _attend_tile(
     stride_cb, stride_ckv, stride_cs, stride_ch,
     HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, PAGE: tl.constexpr, TILE_N: tl.constexpr,
     FP8: tl.constexpr, FP8_E5M2: tl.constexpr, IEEE: tl.constexpr, MASKED: tl.constexpr,
-    QUERY_FP8: tl.constexpr, P_SHIFT: tl.constexpr, PV_FP8: tl.constexpr,
+    QUERY_FP8: tl.constexpr, P_SHIFT: tl.constexpr, PV_FP8: tl.constexpr, FP16_MMA: tl.constexpr,
 ):
     """One tile of ``TILE_N`` keys: scores, online-softmax update (base 2), P @ V. ``MASKED``
     False: every key of the tile is in range and visible to every row (no masks, no -inf).
     ``QUERY_FP8``: q is e4m3, K and V stay e4m3 (fp8 MMAs), P is scaled by 2^P_SHIFT and rounded to
     e4m3 for P @ V, l summing P before that rounding (FlashAttention 3's order). ``PV_FP8`` False
     runs P @ V on those values in fp16 (exact: e4m3 values and their products are exact in fp16 and
-    fp32), so V needs no transpose for an fp8 MMA (which takes V's keys contiguous)."""
+    fp32), so V needs no transpose for an fp8 MMA (which takes V's keys contiguous); ``FP16_MMA``
+    runs Q K^T that way too (q arrives as fp16 copies of its e4m3 values)."""
     n = t * TILE_N + tl.arange(0, TILE_N)
     d = tl.arange(0, HEAD_PAD)
     if MASKED:
@@ -102,7 +109,7 @@ def _attend_tile(
         else:
             k = k.to(tl.float8e4nv, bitcast=True)
             v = v.to(tl.float8e4nv, bitcast=True)
-    if not QUERY_FP8:
+    if not QUERY_FP8 or FP16_MMA:
         k = k.to(q.dtype)
         v = v.to(q.dtype)
     if IEEE and not QUERY_FP8:
@@ -128,7 +135,7 @@ def _attend_tile(
         p = tl.exp2(s * scale2 - _shifted(m_safe, P_SHIFT)[:, None])
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    if QUERY_FP8 and PV_FP8:
+    if QUERY_FP8 and PV_FP8 and not FP16_MMA:
         pv = tl.dot(p.to(tl.float8e4nv), v)
     elif QUERY_FP8:
         pv = tl.dot(p.to(tl.float8e4nv).to(tl.float16), v.to(tl.float16))
@@ -158,7 +165,7 @@ def _attention_kernel(
     PAGE: tl.constexpr, TILE_N: tl.constexpr,
     FP8: tl.constexpr, FP8_E5M2: tl.constexpr, IEEE: tl.constexpr,
     SPLIT: tl.constexpr, PDL: tl.constexpr, QUERY_FP8: tl.constexpr, P_SHIFT: tl.constexpr, PV_FP8: tl.constexpr,
-    HEAVY_FIRST: tl.constexpr,
+    HEAVY_FIRST: tl.constexpr, FP16_MMA: tl.constexpr,
 ):
     pdl.start(PDL)
     if HEAVY_FIRST:  # the GPU starts programs in launch order: the longest causal blocks first, the short ones fill in
@@ -194,6 +201,8 @@ def _attention_kernel(
         # round to nearest even; the descales go into the log2-domain score scale as FlashAttention
         # 3 folds them: (scale log2 e)(q_scale k_scale)
         q = tl.minimum(tl.maximum(q.to(tl.float32) * tl.load(inv_q_scale_ptr), -448.0), 448.0).to(tl.float8e4nv)
+        if FP16_MMA:
+            q = q.to(tl.float16)  # exact: every e4m3 value is an fp16 value
         v_mul = tl.load(v_scale_ptr)
     elif FP8:
         k_mul = qk_scale * tl.load(k_scale_ptr)
@@ -233,7 +242,7 @@ def _attention_kernel(
             m_i, l_i, acc = _attend_tile(
                 t, m_i, l_i, acc, q, q_pos, num_keys, scale2, cache_ptr, table, kv_head,
                 stride_cb, stride_ckv, stride_cs, stride_ch,
-                HEAD, HEAD_PAD, PAGE, TILE_N, FP8, FP8_E5M2, IEEE, True, QUERY_FP8, P_SHIFT, PV_FP8,
+                HEAD, HEAD_PAD, PAGE, TILE_N, FP8, FP8_E5M2, IEEE, True, QUERY_FP8, P_SHIFT, PV_FP8, FP16_MMA,
             )
     else:
         # Tiles wholly before this block's first query token are visible to every row and in
@@ -243,13 +252,13 @@ def _attention_kernel(
             m_i, l_i, acc = _attend_tile(
                 t, m_i, l_i, acc, q, q_pos, num_keys, scale2, cache_ptr, table, kv_head,
                 stride_cb, stride_ckv, stride_cs, stride_ch,
-                HEAD, HEAD_PAD, PAGE, TILE_N, FP8, FP8_E5M2, IEEE, False, QUERY_FP8, P_SHIFT, PV_FP8,
+                HEAD, HEAD_PAD, PAGE, TILE_N, FP8, FP8_E5M2, IEEE, False, QUERY_FP8, P_SHIFT, PV_FP8, FP16_MMA,
             )
         for t in range(full_end, tile_hi):
             m_i, l_i, acc = _attend_tile(
                 t, m_i, l_i, acc, q, q_pos, num_keys, scale2, cache_ptr, table, kv_head,
                 stride_cb, stride_ckv, stride_cs, stride_ch,
-                HEAD, HEAD_PAD, PAGE, TILE_N, FP8, FP8_E5M2, IEEE, True, QUERY_FP8, P_SHIFT, PV_FP8,
+                HEAD, HEAD_PAD, PAGE, TILE_N, FP8, FP8_E5M2, IEEE, True, QUERY_FP8, P_SHIFT, PV_FP8, FP16_MMA,
             )
 
     out_row = q_start + tok
@@ -311,21 +320,20 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device
 
 def _tile_config(
     max_query_len: int, group: int, head_pad: int, is_cuda: bool, fp8: bool = False, split: bool = False,
-    ieee: bool = False, query_fp8: bool = False,
+    ieee: bool = False,
 ) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, TILE_N, num_warps, num_stages, maxnreg; 0 = no cap) for the batch shape (tuned on
     the H200 with probes now in git history, findings in benchmarks/HISTORY.md: decode
     tiles of ~16 KB of K per stage; bf16 split-KV parts read 128-key tiles, 9-35% faster there;
     fp8 two stages, and at most 168 registers per thread: 3 programs per multiprocessor instead
     of 2 at G <= 2 (204 registers uncapped), 10% faster, no spills). The quantized-query read
-    (``query_fp8``) decodes head 128 in 64-key tiles: under the 168-register cap its 128-key tile
-    spills 292 bytes a thread, the 64-key one none (ptxas for sm_90, Triton 3.6; the dequantizing
-    read's 128-key tile fits the cap, docs/GPU.md)."""
+    decodes in the same tiles: its fp16 MMAs on the e4m3 values fit the cap with no spill (ptxas for
+    sm_90, Triton 3.6, docs/GPU.md)."""
     g = triton.next_power_of_2(group)
     if max_query_len == 1:
         block_m = max(16, g)  # one decode token x G heads, padded for tl.dot
         if fp8:
-            tile_n = 128 if head_pad <= 128 and not query_fp8 else 64
+            tile_n = 128 if head_pad <= 128 else 64
             return block_m, tile_n, 4, (2 if is_cuda else 1), (168 if head_pad <= 128 else 0)
         tile_n = (128 if split else 64) if head_pad <= 128 else 32
         return block_m, tile_n, 4, ((2 if split else 3) if is_cuda else 1), 0
@@ -353,6 +361,7 @@ def paged_attention(
     tiles: tuple[int, ...] | None = None,
     pv_fp8: bool | None = None,
     heavy_first: bool | None = None,
+    fp16_mma: bool | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of every sequence's new tokens; see the module docstring.
 
@@ -360,9 +369,10 @@ def paged_attention(
     [B, M] int32; query_start_loc [B + 1] int32; seq_lens [B] int32. ``num_splits`` None picks
     split-KV automatically for decode-only batches; an int forces it. ``tiles`` overrides the
     (BLOCK_M, TILE_N, num_warps, num_stages[, maxnreg]) choice (for tuning); ``pv_fp8`` the
-    quantized-query read's P @ V MMA (fp8, or fp16 on the same values; None: fp8 up to
-    ``PV_FP8_MAX_HEAD``); ``heavy_first`` the launch order of the query blocks (None:
-    ``HEAVY_FIRST``). Returns ``out`` [T, Hq, D]."""
+    quantized-query read's P @ V MMA (fp8, or fp16 on the same values; None: ``PV_FP8``);
+    ``fp16_mma`` both of its MMAs in fp16 on the e4m3 values (None: below ``FP16_MMA_BELOW_ROWS``
+    rows a program); ``heavy_first`` the launch order of the query blocks (None: ``HEAVY_FIRST``).
+    Returns ``out`` [T, Hq, D]."""
     num_tokens, num_heads, head = query.shape
     _, _, page, num_kv_heads, head_c = kv_cache.shape
     assert head_c == head and num_heads % num_kv_heads == 0, "query / cache shapes do not match"
@@ -383,7 +393,6 @@ def paged_attention(
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, query.device) if max_query_len == 1 else 1
     block_m, tile_n, num_warps, num_stages, *maxnreg = tiles or _tile_config(
         max_query_len, group, head_pad, is_cuda, quant is not None, num_splits > 1, query.dtype == torch.float32,
-        quant is not None and quant.query_fp8,
     )
     launch_opts = {"maxnreg": maxnreg[0]} if is_cuda and maxnreg and maxnreg[0] else {}
     block_q = block_m // group  # G = 6 (head 256): 21 tokens, 126 of 128 rows busy (G padded to 8: 16 tokens, 96)
@@ -416,8 +425,9 @@ def paged_attention(
         HEAD=head, HEAD_PAD=head_pad, PAGE=page, TILE_N=tile_n,
         FP8=fp8, FP8_E5M2=fp8 and quant.fp8_dtype == torch.float8_e5m2, IEEE=query.dtype == torch.float32,
         SPLIT=num_splits > 1, QUERY_FP8=query_fp8, P_SHIFT=quant.p_shift if query_fp8 else 0,
-        PV_FP8=head_pad <= PV_FP8_MAX_HEAD if pv_fp8 is None else pv_fp8,
+        PV_FP8=PV_FP8 if pv_fp8 is None else pv_fp8,
         HEAVY_FIRST=HEAVY_FIRST if heavy_first is None else heavy_first,
+        FP16_MMA=query_fp8 and (block_m < FP16_MMA_BELOW_ROWS if fp16_mma is None else fp16_mma),
         num_warps=num_warps, num_stages=num_stages, **launch_opts, **pdl.launch_options(query.device),
     )
     if num_splits > 1:
