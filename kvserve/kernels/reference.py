@@ -237,6 +237,24 @@ def quantize_query_fp8(query: torch.Tensor, inv_q_scale: torch.Tensor) -> torch.
     return (query.float() * inv_q_scale.to(query.device)).clamp_(-448.0, 448.0).to(torch.float8_e4m3fn)
 
 
+def _fp8_gemm_scores(q8: torch.Tensor, k8: torch.Tensor) -> torch.Tensor:
+    """[Hq, n, L] float32 scores of e4m3 q8 [n, Hq, D] and k8 [L, Hq, D], one fp8 GEMM per head with
+    fast accumulation (rows and keys zero-padded to multiples of 16, as the GEMM needs)."""
+    n, hq, d = q8.shape
+    length = k8.shape[0]
+    pad = lambda x: -(-x // 16) * 16  # noqa: E731
+    one = torch.ones((), dtype=torch.float32, device=q8.device)
+    a = torch.zeros((pad(n), d), dtype=q8.dtype, device=q8.device)
+    b = torch.zeros((pad(length), d), dtype=k8.dtype, device=k8.device)
+    out = torch.empty((hq, n, length), dtype=torch.float32, device=q8.device)
+    for h in range(hq):
+        a[:n] = q8[:, h]
+        b[:length] = k8[:, h]
+        s = torch._scaled_mm(a, b.t(), one, one, out_dtype=torch.float32, use_fast_accum=True)
+        out[h] = s[:n, :length]
+    return out
+
+
 def paged_attention_fp8_query(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -248,6 +266,7 @@ def paged_attention_fp8_query(
     tile_n: int,
     compute: torch.dtype = torch.float32,
     num_splits: int = 1,
+    fp8_gemm_scores: bool = False,
 ) -> torch.Tensor:
     """Twin of the Triton kernel's quantized-query read of e4m3 pages (``quant.query_fp8``).
 
@@ -259,7 +278,9 @@ def paged_attention_fp8_query(
     makes the twin; ``compute`` float64 measures the twin's own fp32 noise. ``num_splits`` > 1
     (decode-only batches): the kernel's split-KV, each split's tiles (``cdiv(tiles, num_splits)`` a
     split) with their own running max, merged as its merge kernel does: sum 2^(m_s - M) (acc_s v_scale)
-    / sum 2^(m_s - M) l_s."""
+    / sum 2^(m_s - M) l_s. ``fp8_gemm_scores``: Q8 K8^T from torch's fp8 GEMM with fast accumulation
+    instead (``torch._scaled_mm``; on Hopper the fp8 tensor cores' own limited-precision sums, which
+    FlashAttention 3's and the kernel's wgmma tiles have too): the twin's spread under that hardware."""
     assert quant.fp8_dtype == torch.float8_e4m3fn
     assert num_splits == 1 or all(n == 1 for n in query_lens), "split-KV is for decode-only batches"
     dev = query.device
@@ -269,7 +290,8 @@ def paged_attention_fp8_query(
     rows, block_size = _rows_view(kv_cache), kv_cache.shape[2]
     hq, hk = query.shape[1], kv_cache.shape[3]
     out = torch.empty_like(query)
-    q8 = quantize_query_fp8(query, quant.inv_q_scale_t).to(compute)
+    q8_codes = quantize_query_fp8(query, quant.inv_q_scale_t)
+    q8 = q8_codes.to(compute)
     start = 0
     for i, (n, length) in enumerate(zip(query_lens, seq_lens)):
         pos = torch.arange(length, device=dev)
@@ -277,7 +299,11 @@ def paged_attention_fp8_query(
         k8 = rows.index_select(0, k_rows).view(torch.float8_e4m3fn).to(compute).repeat_interleave(hq // hk, dim=1)
         v8 = rows.index_select(0, k_rows + block_size).view(torch.float8_e4m3fn).to(compute)
         v8 = v8.repeat_interleave(hq // hk, dim=1).transpose(0, 1)  # [Hq, L, D]
-        s = torch.einsum("qhd,khd->hqk", q8[start : start + n], k8) * scale2
+        if fp8_gemm_scores:
+            k_codes = rows.index_select(0, k_rows).view(torch.float8_e4m3fn).repeat_interleave(hq // hk, dim=1)
+            s = _fp8_gemm_scores(q8_codes[start : start + n], k_codes).to(compute) * scale2
+        else:
+            s = torch.einsum("qhd,khd->hqk", q8[start : start + n], k8) * scale2
         visible = pos[None, :] <= torch.arange(length - n, length, device=dev)[:, None]
         s = s.masked_fill(~visible, float("-inf"))
         v_scale = quant.v_scale_t.to(dev).to(compute)
