@@ -237,9 +237,9 @@ def quantize_query_fp8(query: torch.Tensor, inv_q_scale: torch.Tensor) -> torch.
     return (query.float() * inv_q_scale.to(query.device)).clamp_(-448.0, 448.0).to(torch.float8_e4m3fn)
 
 
-def _fp8_gemm_scores(q8: torch.Tensor, k8: torch.Tensor, fast_accum: bool) -> torch.Tensor:
-    """[Hq, n, L] float32 scores of e4m3 q8 [n, Hq, D] and k8 [L, Hq, D], one fp8 GEMM per head
-    (rows and keys zero-padded to multiples of 16, as the GEMM needs)."""
+def _fp8_gemm_scores(q8: torch.Tensor, k8: torch.Tensor) -> torch.Tensor:
+    """[Hq, n, L] float32 scores of e4m3 q8 [n, Hq, D] and k8 [L, Hq, D], one fp8 GEMM per head with
+    fast accumulation (rows and keys zero-padded to multiples of 16, as the GEMM needs)."""
     n, hq, d = q8.shape
     length = k8.shape[0]
     pad = lambda x: -(-x // 16) * 16  # noqa: E731
@@ -250,7 +250,7 @@ def _fp8_gemm_scores(q8: torch.Tensor, k8: torch.Tensor, fast_accum: bool) -> to
     for h in range(hq):
         a[:n] = q8[:, h]
         b[:length] = k8[:, h]
-        s = torch._scaled_mm(a, b.t(), one, one, out_dtype=torch.float32, use_fast_accum=fast_accum)
+        s = torch._scaled_mm(a, b.t(), one, one, out_dtype=torch.float32, use_fast_accum=True)
         out[h] = s[:n, :length]
     return out
 
@@ -266,7 +266,7 @@ def paged_attention_fp8_query(
     tile_n: int,
     compute: torch.dtype = torch.float32,
     num_splits: int = 1,
-    fp8_gemm_scores: str | None = None,
+    fp8_gemm_scores: bool = False,
 ) -> torch.Tensor:
     """Twin of the Triton kernel's quantized-query read of e4m3 pages (``quant.query_fp8``).
 
@@ -278,14 +278,10 @@ def paged_attention_fp8_query(
     makes the twin; ``compute`` float64 measures the twin's own fp32 noise. ``num_splits`` > 1
     (decode-only batches): the kernel's split-KV, each split's tiles (``cdiv(tiles, num_splits)`` a
     split) with their own running max, merged as its merge kernel does: sum 2^(m_s - M) (acc_s v_scale)
-    / sum 2^(m_s - M) l_s. ``fp8_gemm_scores`` "fast" / "accurate": Q8 K8^T from torch's fp8 GEMM
-    instead (``torch._scaled_mm`` with and without fast accumulation; on a GPU the tensor cores' own
-    sums: "fast" the fp8 MMAs' limited-precision accumulator, which FlashAttention 3's and the kernel's
-    wgmma tiles have too, "accurate" promoted to fp32 as an fp16 MMA's are): the twin's spread under
-    that hardware."""
+    / sum 2^(m_s - M) l_s. ``fp8_gemm_scores``: Q8 K8^T from torch's fp8 GEMM with fast accumulation
+    instead (``torch._scaled_mm``; on Hopper the fp8 tensor cores' own limited-precision sums, which
+    FlashAttention 3's and the kernel's wgmma tiles have too): the twin's spread under that hardware."""
     assert quant.fp8_dtype == torch.float8_e4m3fn
-    if fp8_gemm_scores not in (None, "fast", "accurate"):
-        raise ValueError(f"fp8_gemm_scores must be None, 'fast' or 'accurate', got {fp8_gemm_scores!r}")
     assert num_splits == 1 or all(n == 1 for n in query_lens), "split-KV is for decode-only batches"
     dev = query.device
     f32 = lambda x: torch.tensor(x, dtype=torch.float32)  # noqa: E731
@@ -305,7 +301,7 @@ def paged_attention_fp8_query(
         v8 = v8.repeat_interleave(hq // hk, dim=1).transpose(0, 1)  # [Hq, L, D]
         if fp8_gemm_scores:
             k_codes = rows.index_select(0, k_rows).view(torch.float8_e4m3fn).repeat_interleave(hq // hk, dim=1)
-            s = _fp8_gemm_scores(q8_codes[start : start + n], k_codes, fp8_gemm_scores == "fast").to(compute) * scale2
+            s = _fp8_gemm_scores(q8_codes[start : start + n], k_codes).to(compute) * scale2
         else:
             s = torch.einsum("qhd,khd->hqk", q8[start : start + n], k8) * scale2
         visible = pos[None, :] <= torch.arange(length - n, length, device=dev)[:, None]
