@@ -41,6 +41,10 @@ What is measured (all in one process, one GPU):
            BatchDecodeWithPagedKVCacheWrapper (benchmarks/flashinfer_peer.py; its NHD layout is
            kvserve's), bf16 and fp8 pages (k_scale / v_scale to run), both its modes (CUDA cores,
            tensor cores), the faster kept per point. On when flashinfer imports (--no-flashinfer).
+  vllm_triton  the same decode points and pages through vLLM's own Triton kernel (the TRITON_ATTN
+           backend's unified_attention, run from a vLLM release's source files given with
+           --vllm-triton-src DIR: benchmarks/vllm_triton_peer.py), called as the backend calls it
+           (fp8 pages with the query quantized, its 2D / 3D choice); bf16 and fp8.
 
 Timing: triton.testing.do_bench median (it zeroes a 256 MB buffer before every call, so each call
 starts with a cold L2; events bracket the call only); warm-up and compile happen before. Inputs are
@@ -67,6 +71,7 @@ installed template lacks INDEX_DTYPE head offsets); points beyond are skipped fo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as _dt
 import math
 import os
@@ -301,11 +306,13 @@ class Run:
         self.dev = torch.device("cuda" if self.cuda else "cpu")
         self.t0 = time.time()
         self.res: dict = {"checks": [], "errors": [], "skipped": [], "store": [], "decode": [], "flex": [], "prefill": [],
-                          "flashinfer": []}
+                          "flashinfer": [], "vllm_triton": []}
         self.failed = False
         self.flex_off: dict[str, str] = {}  # "dtype/variant" -> why that flex path was switched off
         self.fi = None  # FlashInfer's decode (setup_flashinfer)
         self.fi_off: dict[str, str] = {}  # "dtype/mode" -> why that FlashInfer path was switched off
+        self.vt = None  # vLLM's Triton kernel (setup_vllm_triton)
+        self.vt_off: dict[str, str] = {}  # dtype -> why that vLLM path was switched off
 
     # ---- bookkeeping
     def save(self) -> None:
@@ -776,6 +783,8 @@ class Run:
                 line += self._flex_point(b, ctx, q, scale, rows)
             if self.fi is not None:
                 line += self._flashinfer_point(b, ctx, q, bt, scale, rows)
+            if self.vt is not None:
+                line += self._vllm_triton_point(b, ctx, q, bt, qsl, sl, scale, rows)
             print("[decode] " + " | ".join(line))
             del bt, qsl, sl, q, out
             self.save()
@@ -878,6 +887,68 @@ class Run:
                 line.append(f"fi-{name}({best['mode'][0]}) {best['ms'] * 1e3:8.1f}us {fmt(best['pct_copy'], '.0f')}%")
         return line
 
+    def setup_vllm_triton(self, points) -> None:
+        """vLLM's Triton kernel as a decode peer where its source is given; why not, where not."""
+        import vllm_triton_peer
+
+        a = self.args
+        why = vllm_triton_peer.available(a.vllm_triton_src)
+        if why is None and not self.cuda and not a.smoke:
+            why = "no CUDA device"
+        if why:
+            self.res["skipped"].append(f"vllm_triton: {why}")
+            return
+        self.vt = vllm_triton_peer.VllmTritonAttention(a.vllm_triton_src, a.q_heads, a.kv_heads, a.head_dim,
+                                                       max(b for b, _ in points), self.dev)
+        self.res["vllm_triton_src"] = str(a.vllm_triton_src)
+        print(f"[vllm_triton] {a.vllm_triton_src}: decode peer on (3D up to {self.vt.seq_threshold_3d} sequences)")
+
+    def _vllm_triton_point(self, b, ctx, q, bt, qsl, sl, scale, rows) -> list[str]:
+        """vLLM's kernel on this point's pages, bf16 and fp8, checked on rows 0 and B-1 (bf16 against
+        the reference read; fp8 against the quantized-query twin with its P unshifted, its 32-key
+        tile and its split-KV segments), timed like ours."""
+        import vllm_triton_peer as vp
+
+        a = self.args
+        hk, d, bs = a.kv_heads, a.head_dim, a.block_size
+        r = self.impl.reference
+        line = []
+        for name, pool, quant in self.caches()[:2]:
+            tag = f"decode vllm_triton {name} B={b} ctx={ctx}"
+            if name in self.vt_off:
+                continue
+            if quant is not None:
+                quant = dataclasses.replace(quant, query_fp8=True, p_shift=0)
+            try:
+                out = torch.full_like(q, float("nan"))
+                self.vt.run(q, pool, bt, qsl, sl, 1, ctx, scale, out, quant)
+                n = len(rows)
+                if quant is None:
+                    expect = r.paged_attention(q[rows], pool, bt[rows], [1] * n, [ctx] * n, scale)
+                else:
+                    splits = vp.NUM_PAR_SOFTMAX_SEGMENTS if self.vt.uses_3d(b) else 1
+                    expect = r.paged_attention_fp8_query(q[rows], pool, bt[rows], [1] * n, [ctx] * n, scale, quant,
+                                                         vp.TILE_FP8, num_splits=splits)
+                err = rel_err(out[rows], expect)
+                self.check(tag, err, nonfinite=int((~torch.isfinite(out)).sum()))
+                t = self.timer.time(lambda: self.vt.run(q, pool, bt, qsl, sl, 1, ctx, scale, out, quant),
+                                    "vllm_triton")
+                kv = b * ctx * hk * d * 2 * (2 if name == "bf16" else 1)
+                nbytes = kv + 2 * b * a.q_heads * d * 2 + b * math.ceil(ctx / bs) * 4 + (2 * b + 1) * 4
+                bw = self.gbps(nbytes, t["ms"])
+                self.res["vllm_triton"].append({
+                    "batch": b, "context": ctx, "cache_dtype": name, "launch": "3d" if self.vt.uses_3d(b) else "2d",
+                    "kv_bytes": kv, "bytes": nbytes, **t, "GBps": bw, "pct_copy": self.pct(bw), "rel_err": err})
+                line.append(f"vllm-{name} {t['ms'] * 1e3:8.1f}us {fmt(self.pct(bw), '.0f')}%")
+            except Exception as e:  # a release whose kernel does not build or run here: off, recorded
+                self.vt_off[name] = f"{type(e).__name__}: {str(e)[:300]}"
+                self.res.setdefault("vllm_triton_errors", []).append({
+                    "where": tag, "error": f"{type(e).__name__}: {e}"[:2000], "traceback": traceback.format_exc()[-3000:]})
+                print(f"[vllm_triton] {tag}: {type(e).__name__}: {str(e)[:300]} -> off for the rest of the run")
+                if self.cuda:
+                    torch.cuda.synchronize()
+        return line
+
     # ---- smoke: int64 offsets with pools of more than 2^31 elements (CPU interpreter)
     def bigpool_check(self) -> None:
         print("[bigpool] store + decode at the far end of pools of more than 2^31 elements; a crash "
@@ -950,6 +1021,14 @@ class Run:
             for (b, c, name), f in sorted(fi.items()) for ours in ((name,) if name == "bf16" else ("fp8", "fp8q"))
             if (b, c, ours) in dec]
         r["flashinfer_off"] = self.fi_off
+        vt = {(v["batch"], v["context"], v["cache_dtype"]): v for v in r["vllm_triton"]}
+        r["ours_vs_vllm_triton"] = [
+            {"batch": b, "context": c, "cache_dtype": ours, "ours_ms": dec[(b, c, ours)]["ms"],
+             "vllm_triton_ms": v["ms"], "vllm_triton_launch": v["launch"],
+             "ours_speedup": v["ms"] / dec[(b, c, ours)]["ms"]}
+            for (b, c, name), v in sorted(vt.items()) for ours in ((name,) if name == "bf16" else ("fp8", "fp8q"))
+            if (b, c, ours) in dec]
+        r["vllm_triton_off"] = self.vt_off
         r["graph_timing_off"] = self.timer.graph_off if hasattr(self, "timer") else {}
         r["flex_off"] = self.flex_off
 
@@ -1018,6 +1097,14 @@ class Run:
                          f"fi {v['flashinfer_ms'] * 1e3:8.1f}us ({v['flashinfer_mode']}) x {v['ours_speedup']:.2f}")
         for k, v in r.get("flashinfer_off", {}).items():
             L.append(f"  flashinfer {k} off: {v[:200]}")
+        if r.get("ours_vs_vllm_triton"):
+            L.append("decode vs vLLM's Triton kernel (x = vLLM time / ours)")
+            for v in r["ours_vs_vllm_triton"]:
+                L.append(f"{v['batch']:5d} {v['context']:6d} {v['cache_dtype']:5s} ours {v['ours_ms'] * 1e3:8.1f}us "
+                         f"vllm {v['vllm_triton_ms'] * 1e3:8.1f}us ({v['vllm_triton_launch']})"
+                         f" x {v['ours_speedup']:.2f}")
+        for k, v in r.get("vllm_triton_off", {}).items():
+            L.append(f"  vllm_triton {k} off: {v[:200]}")
         g = [(x["graph_ms"] / x["ms"], x) for x in r["decode"] + r["flex"] + r["store"] if x.get("graph_ms") and x["ms"] > 0]
         if g:
             far = [t for t in g if abs(t[0] - 1) > 0.10]
@@ -1065,6 +1152,9 @@ def parse_args(argv=None):
     p.add_argument("--no-graph", dest="graph", action="store_false")
     p.add_argument("--no-flashinfer", dest="flashinfer", action="store_false",
                    help="no FlashInfer decode peer (it runs where flashinfer imports)")
+    p.add_argument("--vllm-triton-src", default=os.environ.get("VLLM_TRITON_SRC"),
+                   help="folder with vLLM's triton_unified_attention.py and triton_attention_helpers.py: "
+                        "its Triton kernel as a decode peer (default $VLLM_TRITON_SRC; off when unset)")
     p.add_argument("--fp8q-pv8", action="store_true",
                    help="also the quantized-query read with P @ V as an fp8 MMA in prefill tiles (JSON: fp8q_pv8)")
     p.add_argument("--no-bigpool", dest="bigpool", action="store_false", help="--smoke: skip the >2^31-element pool check")
@@ -1142,6 +1232,11 @@ def main(argv=None) -> int:
             except Exception as e:
                 run.error("flashinfer setup", e)
                 run.fi = None
+            try:
+                run.setup_vllm_triton(points)
+            except Exception as e:
+                run.error("vllm_triton setup", e)
+                run.vt = None
             run.bench_decode(points)
         if args.smoke and not cuda and args.bigpool:
             run.bigpool_check()
