@@ -7,7 +7,8 @@ The kernels family of the suite (benchmarks/RESULTS.md):
     python3 benchmarks/kernel_bench.py --out kernels.json               # H200 by hand, full grid (~4-5 min)
     python3 benchmarks/kernel_bench.py --smoke --out /tmp/kernels.json  # CPU: every code path, tiny
     python3 benchmarks/kernel_bench.py --smoke --impl reference         # without the Triton kernels
-Options worth knowing: --sections copy,store,prefill,decode (decode includes flex); --no-flex,
+Options worth knowing: --sections copy,store,prefill,mixed,decode (decode includes flex and the
+FlashInfer / vLLM peers); --mixed-chunk 2048 --mixed-contexts 0,2048,6144 --mixed-decodes 64; --no-flex,
 --no-flex-fp8, --no-ours-decode (flex only); --batches 1,8 --contexts 1024,4096; --flex-variants
 auto|both|full|partial; --flex-page-size 128; --int32-pools (keep every cache tensor under 2^31
 elements, dropping the big points); --time-budget-s 480 (remaining points are skipped, never the
@@ -29,6 +30,9 @@ What is measured (all in one process, one GPU):
            included) vs F.scaled_dot_product_attention(is_causal, enable_gqa) on contiguous q/k/v,
            and vs SDPA on K/V repeated to Hq heads (the faster SDPA is the peer). TFLOP/s with causal
            flops 2*2*T*T/2*Hq*D.
+  mixed    a chunked-prefill batch: prefill chunks over cached context (one fresh) plus decodes in
+           one launch, bf16 / fp8 / fp8q pages, vs FlashAttention-2's varlen kernel through
+           torch.nn.attention.varlen (causal, bottom-right aligned) on the same K/V, packed dense.
   decode   batch x context grid, 1 query token per sequence, block size 16, block tables = random
            blocks of one pool sized for the largest point (same pool for every point), bf16 pages and
            fp8_e4m3 pages (k_scale 0.02, v_scale 0.015), num_splits=None (auto). bytes = KV read +
@@ -73,6 +77,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime as _dt
+import inspect
+import itertools
 import math
 import os
 import platform
@@ -306,7 +312,7 @@ class Run:
         self.dev = torch.device("cuda" if self.cuda else "cpu")
         self.t0 = time.time()
         self.res: dict = {"checks": [], "errors": [], "skipped": [], "store": [], "decode": [], "flex": [], "prefill": [],
-                          "flashinfer": [], "vllm_triton": []}
+                          "flashinfer": [], "vllm_triton": [], "mixed": []}
         self.failed = False
         self.flex_off: dict[str, str] = {}  # "dtype/variant" -> why that flex path was switched off
         self.fi = None  # FlashInfer's decode (setup_flashinfer)
@@ -443,8 +449,9 @@ class Run:
     def alloc_pools(self, points) -> None:
         a = self.args
         bs = a.block_size
+        mixed = sum(math.ceil(n / bs) for n in self.mixed_batch()[1]) if "mixed" in a.sections else 0
         need = max([b * math.ceil(c / bs) for b, c in points] + [math.ceil(max(a.store_tokens) * 2 / bs),
-                                                               math.ceil(max(a.prefill_tokens) / bs) + 1])
+                                                               math.ceil(max(a.prefill_tokens) / bs) + 1, mixed])
         self.pool_blocks = need
         shape = (need, 2, bs, a.kv_heads, a.head_dim)
         self.pool = {"bf16": torch.empty(shape, dtype=torch.bfloat16, device=self.dev),
@@ -633,6 +640,115 @@ class Run:
             self.check(f"{tag} {nm}", rel_err(o, expect))
             fns[nm] = fn
         return fns
+
+    # ---- mixed chunked-prefill batch
+    def mixed_batch(self) -> tuple[list[int], list[int]]:
+        """(query lens, seq lens): chunks of ``--mixed-chunk`` tokens at the cached contexts of
+        ``--mixed-contexts`` (0: a fresh prefill), then ``--mixed-decodes`` decodes at contexts spread
+        over [1k, 4k) (the smoke run: tiny)."""
+        a = self.args
+        qlens = [a.mixed_chunk] * len(a.mixed_contexts)
+        slens = [a.mixed_chunk + c for c in a.mixed_contexts]
+        lo, hi = (1, 200) if a.smoke else (1024, 4096)
+        g = torch.Generator().manual_seed(1)
+        slens += torch.randint(lo, hi, (a.mixed_decodes,), generator=g).tolist()
+        return qlens + [1] * a.mixed_decodes, slens
+
+    def bench_mixed(self) -> None:
+        """Ours on the mixed batch (bf16 / fp8 / fp8q pages) and FlashAttention-2 varlen on the same
+        bf16 K/V gathered dense: the prefill peer where SDPA has no varlen form."""
+        if self.over_budget("mixed"):
+            return
+        a = self.args
+        hq, hk, d, bs = a.q_heads, a.kv_heads, a.head_dim, a.block_size
+        scale = d ** -0.5
+        qlens, slens = self.mixed_batch()
+        tag = f"mixed {len(qlens)} seqs {sum(qlens)} tokens"
+        try:
+            need = [math.ceil(n / bs) for n in slens]
+            perm = torch.randperm(self.pool_blocks, device=self.dev)[: sum(need)].to(torch.int32)
+            bt = torch.zeros(len(slens), max(need), dtype=torch.int32, device=self.dev)
+            for i, (o, n) in enumerate(zip([0] + list(itertools.accumulate(need))[:-1], need)):
+                bt[i, :n] = perm[o : o + n]
+            qsl = torch.tensor([0] + list(itertools.accumulate(qlens)), dtype=torch.int32, device=self.dev)
+            sl = torch.tensor(slens, dtype=torch.int32, device=self.dev)
+            q = self.randn(sum(qlens), hq, d)
+            out = torch.full_like(q, float("nan"))
+            pairs = sum(n * (s - n) + n * (n + 1) // 2 for n, s in zip(qlens, slens))
+            flops = 2 * 2 * pairs * hq * d
+            rows, expect_bf16 = {}, None
+            for name, pool, quant in self.caches():
+                def ours(pool=pool, quant=quant, kw=self.pv_kw(name)):
+                    return self.impl.paged_attention(q, pool, bt, qsl, sl, scale, max(qlens), max(slens), quant=quant,
+                                                     out=out, **kw)
+
+                out.fill_(float("nan"))
+                got = ours()
+                got = out if got is None else got
+                expect = self.expect(q, pool, bt, qlens, slens, scale, quant)
+                if name == "bf16":
+                    expect_bf16 = expect
+                self.check(f"{tag} ours {name}", rel_err(got, expect), nonfinite=int((~torch.isfinite(got)).sum()))
+                t = self.timer.time(ours, "mixed")
+                rows[name] = {"impl": "ours_" + name, **t, "tflops": flops / (t["ms"] * 1e-3) / 1e12}
+            fa2 = self._fa2_varlen(tag, q, bt, qlens, slens, scale, expect_bf16)
+            if fa2 is not None:
+                t = self.timer.time(fa2, "mixed")
+                rows["fa2_varlen"] = {"impl": "fa2_varlen", **t, "tflops": flops / (t["ms"] * 1e-3) / 1e12}
+            for name, row in rows.items():
+                row.update(query_lens=qlens[: len(a.mixed_contexts)] + [f"{a.mixed_decodes} x 1"],
+                           contexts=a.mixed_contexts, tokens=sum(qlens), heads=[hq, hk, d])
+                if "fa2_varlen" in rows and name != "fa2_varlen":
+                    row["speed_vs_fa2_varlen"] = rows["fa2_varlen"]["ms"] / row["ms"]
+                if name != "bf16" and not name.startswith("fa2"):
+                    row["speed_vs_bf16_pages"] = rows["bf16"]["ms"] / row["ms"]
+            self.res["mixed"].extend(rows.values())
+            print(f"[mixed] {tag}: " + "  ".join(f"{n} {r['ms'] * 1e3:.1f}us {r['tflops']:.1f}TF/s"
+                                                 for n, r in rows.items()))
+        except Exception as e:
+            self.error(tag, e)
+        self.save()
+
+    def _fa2_varlen(self, tag, q, bt, qlens, slens, scale, expect):
+        """torch's FlashAttention-2 varlen call on the mixed batch's bf16 K/V (packed dense per
+        sequence), checked against the reference read; None (recorded) where it cannot run."""
+        if not self.cuda:
+            self.res["skipped"].append(f"{tag} fa2_varlen: needs CUDA")
+            return None
+        try:
+            from torch.nn.attention import varlen
+        except ImportError as e:
+            self.res["skipped"].append(f"{tag} fa2_varlen: {e}")
+            return None
+        a = self.args
+        bs = a.block_size
+        pages = self.pool["bf16"]
+        k = torch.cat([pages[bt[i, : math.ceil(s / bs)].long(), 0].reshape(-1, a.kv_heads, a.head_dim)[:s]
+                       for i, s in enumerate(slens)])
+        v = torch.cat([pages[bt[i, : math.ceil(s / bs)].long(), 1].reshape(-1, a.kv_heads, a.head_dim)[:s]
+                       for i, s in enumerate(slens)])
+        params = inspect.signature(varlen.varlen_attn).parameters
+        kw = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}  # torch 2.10: is_causal
+        if "scale" in params:
+            kw["scale"] = scale
+        if "enable_gqa" in params:
+            kw["enable_gqa"] = True
+        else:
+            k, v = (x.repeat_interleave(a.q_heads // a.kv_heads, dim=1) for x in (k, v))
+        dev = q.device
+        cu_q = torch.tensor([0] + list(itertools.accumulate(qlens)), dtype=torch.int32, device=dev)
+        cu_k = torch.tensor([0] + list(itertools.accumulate(slens)), dtype=torch.int32, device=dev)
+
+        def fa2():
+            return varlen.varlen_attn(q, k, v, cu_q, cu_k, max(qlens), max(slens), **kw)
+
+        try:
+            got = fa2()
+        except Exception as e:  # an older torch, a GPU or shape FlashAttention-2 does not take
+            self.res["skipped"].append(f"{tag} fa2_varlen: {type(e).__name__}: {str(e)[:200]}")
+            return None
+        self.check(f"{tag} fa2_varlen", rel_err(got, expect), nonfinite=int((~torch.isfinite(got)).sum()))
+        return fa2
 
     # ---- c + d. decode (ours) and flex
     def setup_flex(self, points) -> None:
@@ -1143,7 +1259,10 @@ def parse_args(argv=None):
     p.add_argument("--cpu", action="store_true", help="ignore CUDA even if present (with --smoke)")
     p.add_argument("--impl", choices=("triton", "reference", "auto"), default=None,
                    help="kernels under test (default triton; --smoke: auto = Triton where it exists)")
-    p.add_argument("--sections", default="copy,store,prefill,decode")
+    p.add_argument("--sections", default="copy,store,prefill,mixed,decode")
+    p.add_argument("--mixed-chunk", type=int, default=None, help="mixed batch: tokens per prefill chunk")
+    p.add_argument("--mixed-contexts", type=ints, default=None, help="mixed batch: each chunk's cached context")
+    p.add_argument("--mixed-decodes", type=int, default=None, help="mixed batch: decode tokens beside the chunks")
     p.add_argument("--no-flex", dest="flex", action="store_false")
     p.add_argument("--no-flex-fp8", dest="flex_fp8", action="store_false")
     p.add_argument("--no-ours-decode", dest="ours_decode", action="store_false", help="decode grid: flex only")
@@ -1178,9 +1297,11 @@ def parse_args(argv=None):
     a = p.parse_args(argv)
     a.argv = list(sys.argv[1:] if argv is None else argv)
     big = dict(batches=[1, 8, 32, 64, 128, 256], contexts=[1024, 4096, 8192, 16384, 32768], store_tokens=[256, 4096, 16384],
-               prefill_tokens=[1024, 2048, 4096, 8192], q_heads=32, kv_heads=8, head_dim=128, copy_elems=1 << 30,
+               prefill_tokens=[1024, 2048, 4096, 8192], mixed_chunk=2048, mixed_contexts=[0, 2048, 6144],
+               mixed_decodes=64, q_heads=32, kv_heads=8, head_dim=128, copy_elems=1 << 30,
                flex_check_lens=[1000, 17, 4096, 130, 1, 2048, 777, 129])
-    small = dict(batches=[1, 3], contexts=[40, 300], store_tokens=[5, 40], prefill_tokens=[32, 80], q_heads=8, kv_heads=2,
+    small = dict(batches=[1, 3], contexts=[40, 300], store_tokens=[5, 40], prefill_tokens=[32, 80], mixed_chunk=24,
+                 mixed_contexts=[0, 40], mixed_decodes=3, q_heads=8, kv_heads=2,
                  head_dim=64, copy_elems=1 << 20, flex_check_lens=[300, 1, 129])
     for k, v in (small if a.smoke else big).items():
         if getattr(a, k, None) is None:
@@ -1214,12 +1335,14 @@ def main(argv=None) -> int:
                 run.error("copy", e)
         run.save()
         points = run.decode_points() if "decode" in args.sections else []
-        if {"store", "prefill", "decode"} & set(args.sections):
+        if {"store", "prefill", "mixed", "decode"} & set(args.sections):
             run.alloc_pools(points or [(1, args.block_size)])
         if "store" in args.sections:
             run.bench_store()
         if "prefill" in args.sections:
             run.bench_prefill()
+        if "mixed" in args.sections:
+            run.bench_mixed()
         if points:
             if args.flex:
                 try:

@@ -117,6 +117,10 @@ def test_kernels_smoke_checks_every_kernel_against_the_reference(tmp_path):
         assert doc[section] and all(row["ms"] > 0 for row in doc[section]), section
     assert {d["cache_dtype"] for d in doc["decode"]} == {"bf16", "fp8", "fp8q"}  # fp8q: the quantized-query read
     assert {p["impl"] for p in doc["prefill"]} == {"ours", "ours_fp8", "ours_fp8q", "sdpa_gqa", "sdpa_repeat_kv"}
+    # the chunked-prefill batch: every read checked; its FlashAttention-2 varlen peer needs CUDA, and says so
+    assert {p["impl"] for p in doc["mixed"]} == {"ours_bf16", "ours_fp8", "ours_fp8q"}
+    assert sum(c["name"].startswith("mixed") for c in checks) == 3
+    assert any(x.startswith("mixed") and x.endswith("fa2_varlen: needs CUDA") for x in doc["skipped"])
     # FlashInfer, the decode peer, needs CUDA: the run says why it is absent instead of dropping it silently
     assert doc["flashinfer"] == [] and "flashinfer: no CUDA device" in doc["skipped"]
     # vLLM's Triton kernel, the other decode peer, needs its source files (not in this repository)
