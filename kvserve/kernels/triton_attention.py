@@ -35,12 +35,13 @@ from kvserve.kernels.triton_store import num_sms
 
 _LOG2E = 1.4426950408889634
 # The quantized-query read's P @ V as an fp8 MMA (True) or an fp16 MMA on the same e4m3 values (the
-# same products, fp32 sums): fp16, since the fp8 one stages V transposed and was 1.6-2.6x slower in
+# same products, fp32 sums): fp16, since the fp8 one stages V transposed and was 1.4-2.6x slower in
 # every prefill on the H200 (head 128 / 256, 1k / 4k tokens: 1,047 vs 495 us at head 128, 4,096 tokens;
 # benchmarks/RESULTS.md, 2026-12-06) and no faster in decode.
 PV_FP8 = False
-# Launch the query blocks last-first (a causal prefill's longest blocks first): 4-12% faster prefills
-# on the H200 in every read and head size probed (2026-12-06), a no-op for decode.
+# Launch the query blocks last-first (a causal prefill's longest blocks first): 3-13% faster prefills
+# at 15 of 16 H200 probe points (reads x heads 128 / 256 x 1k / 4k tokens; bf16 head 128 x 1k 2.5%
+# slower; 2026-12-06); decode programs carry one token each.
 HEAVY_FIRST = True
 # The quantized query's Q K^T as an fp16 MMA on the e4m3 values below this many rows a program
 # (decode tiles: mma.sync, where an fp8 operand is converted anyway, and its fp8 K tile spilled
