@@ -136,7 +136,7 @@ def _attend_tile(
         p = tl.exp2(s * scale2 - _shifted(m_safe, P_SHIFT)[:, None])
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    if QUERY_FP8 and PV_FP8 and not FP16_MMA:
+    if QUERY_FP8 and PV_FP8:
         pv = tl.dot(p.to(tl.float8e4nv), v)
     elif QUERY_FP8:
         pv = tl.dot(p.to(tl.float8e4nv).to(tl.float16), v.to(tl.float16))
@@ -399,6 +399,8 @@ def paged_attention(
     block_q = block_m // group  # G = 6 (head 256): 21 tokens, 126 of 128 rows busy (G padded to 8: 16 tokens, 96)
     fp8 = quant is not None
     query_fp8 = fp8 and quant.query_fp8
+    # the quantized query's products as fp16 MMAs (both of them: V is then fp16 for P @ V too)
+    fp16_mma_on = query_fp8 and (block_m < FP16_MMA_BELOW_ROWS if fp16_mma is None else fp16_mma)
     if quant is None:
         cache = kv_cache if kv_cache.dtype == query.dtype else kv_cache  # mixed float dtypes convert in-kernel
         k_scale_t = v_scale_t = q_scale_t = inv_q_scale_t = seq_lens  # unused placeholders (never read)
@@ -426,9 +428,9 @@ def paged_attention(
         HEAD=head, HEAD_PAD=head_pad, PAGE=page, TILE_N=tile_n,
         FP8=fp8, FP8_E5M2=fp8 and quant.fp8_dtype == torch.float8_e5m2, IEEE=query.dtype == torch.float32,
         SPLIT=num_splits > 1, QUERY_FP8=query_fp8, P_SHIFT=quant.p_shift if query_fp8 else 0,
-        PV_FP8=PV_FP8 if pv_fp8 is None else pv_fp8,
+        PV_FP8=(PV_FP8 if pv_fp8 is None else pv_fp8) and not fp16_mma_on,
         HEAVY_FIRST=HEAVY_FIRST if heavy_first is None else heavy_first,
-        FP16_MMA=query_fp8 and (block_m < FP16_MMA_BELOW_ROWS if fp16_mma is None else fp16_mma),
+        FP16_MMA=fp16_mma_on,
         num_warps=num_warps, num_stages=num_stages, **launch_opts, **pdl.launch_options(query.device),
     )
     if num_splits > 1:
