@@ -359,6 +359,14 @@ class Run:
     def gbps(self, nbytes: float, ms: float) -> float:
         return nbytes / (ms * 1e-3) / GB
 
+    def decode_bytes(self, b: int, ctx: int, name: str) -> tuple[int, int]:
+        """(KV bytes, all bytes) a paged decode of ``b`` sequences x ``ctx`` tokens reads and writes:
+        K and V (2 bytes a value in bf16, 1 in fp8) + q + out (bf16) + the block table + seq lens
+        and query starts (ours and the peers read the same)."""
+        a = self.args
+        kv = b * ctx * a.kv_heads * a.head_dim * 2 * (2 if name == "bf16" else 1)
+        return kv, kv + 2 * b * a.q_heads * a.head_dim * 2 + b * math.ceil(ctx / a.block_size) * 4 + (2 * b + 1) * 4
+
     def pct(self, gbps: float):
         c = self.res.get("copy_bw_GBps")
         return 100.0 * gbps / c if c else None
@@ -723,10 +731,9 @@ class Run:
         a = self.args
         bs = a.block_size
         pages = self.pool["bf16"]
-        k = torch.cat([pages[bt[i, : math.ceil(s / bs)].long(), 0].reshape(-1, a.kv_heads, a.head_dim)[:s]
-                       for i, s in enumerate(slens)])
-        v = torch.cat([pages[bt[i, : math.ceil(s / bs)].long(), 1].reshape(-1, a.kv_heads, a.head_dim)[:s]
-                       for i, s in enumerate(slens)])
+        kv = torch.cat([pages[bt[i, : math.ceil(s / bs)].long()].transpose(0, 1)
+                        .reshape(2, -1, a.kv_heads, a.head_dim)[:, :s] for i, s in enumerate(slens)], dim=1)
+        k, v = kv[0], kv[1]
         params = inspect.signature(varlen.varlen_attn).parameters
         kw = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}  # torch 2.10: is_causal
         if "scale" in params:
@@ -879,9 +886,7 @@ class Run:
                     del expect, got
                     t = self.timer.time(lambda: self.impl.paged_attention(q, pool, bt, qsl, sl, scale, 1, ctx, quant=quant,
                                                                           out=out, **self.pv_kw(name)), "decode_ours")
-                    elem = 2 if name == "bf16" else 1  # fp8, fp8q: one byte
-                    kv = b * ctx * hk * d * 2 * elem
-                    nbytes = kv + 2 * b * hq * d * 2 + b * nblk * 4 + b * 4 + (b + 1) * 4
+                    kv, nbytes = self.decode_bytes(b, ctx, name)
                     bw = self.gbps(nbytes, t["ms"])
                     row = {"batch": b, "context": ctx, "cache_dtype": name, "kv_bytes": kv, "bytes": nbytes, **t,
                            "GBps": bw, "pct_copy": self.pct(bw), "tokens_per_s": b / (t["ms"] * 1e-3), "rel_err": err}
@@ -983,8 +988,7 @@ class Run:
                     err = rel_err(out[rows], expect)
                     self.check(tag, err, nonfinite=int((~torch.isfinite(out)).sum()))
                     t = self.timer.time(lambda: self.fi.run(mode, q, pool, out, **scales), "flashinfer")
-                    kv = b * ctx * hk * d * 2 * (2 if name == "bf16" else 1)
-                    nbytes = kv + 2 * b * hq * d * 2 + b * math.ceil(ctx / bs) * 4 + (2 * b + 1) * 4
+                    kv, nbytes = self.decode_bytes(b, ctx, name)
                     bw = self.gbps(nbytes, t["ms"])
                     row = {"batch": b, "context": ctx, "cache_dtype": name, "mode": mode, "kv_bytes": kv,
                            "bytes": nbytes, **t, "GBps": bw, "pct_copy": self.pct(bw), "rel_err": err}
@@ -1025,8 +1029,6 @@ class Run:
         tile and its split-KV segments), timed like ours."""
         import vllm_triton_peer as vp
 
-        a = self.args
-        hk, d, bs = a.kv_heads, a.head_dim, a.block_size
         r = self.impl.reference
         line = []
         for name, pool, quant in self.caches()[:2]:
@@ -1049,8 +1051,7 @@ class Run:
                 self.check(tag, err, nonfinite=int((~torch.isfinite(out)).sum()))
                 t = self.timer.time(lambda: self.vt.run(q, pool, bt, qsl, sl, 1, ctx, scale, out, quant),
                                     "vllm_triton")
-                kv = b * ctx * hk * d * 2 * (2 if name == "bf16" else 1)
-                nbytes = kv + 2 * b * a.q_heads * d * 2 + b * math.ceil(ctx / bs) * 4 + (2 * b + 1) * 4
+                kv, nbytes = self.decode_bytes(b, ctx, name)
                 bw = self.gbps(nbytes, t["ms"])
                 self.res["vllm_triton"].append({
                     "batch": b, "context": ctx, "cache_dtype": name, "launch": "3d" if self.vt.uses_3d(b) else "2d",
