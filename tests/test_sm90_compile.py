@@ -42,7 +42,8 @@ from kvserve.kernels import triton_attention as ta
 fn = ta._attention_kernel
 names = fn.arg_names
 POINTERS = {"out_ptr": "*bf16", "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "q_ptr": "*bf16",
-            "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_ptr": "*i32", "k_scale_ptr": "*fp32",
+            "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_ptr": "*i32", "order_ptr": "*i32",
+            "k_scale_ptr": "*fp32",
             "v_scale_ptr": "*fp32", "q_scale_ptr": "*fp32", "inv_q_scale_ptr": "*fp32"}
 out = {}
 for name, qlen, head, g, fp8, qfp8, pv_fp8 in json.loads(sys.argv[1]):
@@ -51,7 +52,8 @@ for name, qlen, head, g, fp8, qfp8, pv_fp8 in json.loads(sys.argv[1]):
     # the constexprs paged_attention launches with for this shape (BLOCK_Q = BLOCK_M // G, as it computes)
     const = dict(G=g, BLOCK_M=bm, BLOCK_Q=bm // g, HEAD=head, HEAD_PAD=head, PAGE=16,
                  TILE_N=tn, FP8=fp8, FP8_E5M2=False, IEEE=False, SPLIT=False, PDL=False, QUERY_FP8=qfp8,
-                 P_SHIFT=8 if qfp8 else 0, PV_FP8=pv_fp8 and not f16, HEAVY_FIRST=True, FP16_MMA=f16)
+                 P_SHIFT=8 if qfp8 else 0, PV_FP8=pv_fp8 and not f16, HEAVY_FIRST=True, FP16_MMA=f16,
+                 DECODE=qlen == 1, ORDERED=qlen == 1, HK=8)
     sig = {n: "constexpr" if n in const else POINTERS.get(n) or ("fp32" if n == "qk_scale" else "i32") for n in names}
     sig["cache_ptr"] = "*u8" if fp8 else "*bf16"
     # what a launch tells the compiler: pointers and the cache's / heads' strides are multiples of 16

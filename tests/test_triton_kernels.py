@@ -23,6 +23,7 @@ import torch
 
 from kvserve.kernels import reference, triton_attention, triton_store
 from kvserve.kernels.reference import CacheQuant
+from kvserve.layers.attention import decode_order
 from triton_support import kernel_device, skip_without_triton_device
 
 pytestmark = [
@@ -440,6 +441,32 @@ def test_attention_decode_only(case, num_splits):
     seq_lens = [33, 1, 97, 64]
     b = _make_batch([1] * len(seq_lens), seq_lens, hq, hk, d, bs, FLOAT[qd], cache, gen)
     _check_attention(b, num_splits=num_splits)
+    # launched longest first (the runner's order): every sequence still gets its own rows
+    _check_attention(b, num_splits=num_splits, order=_order(seq_lens))
+
+
+def _order(seq_lens: list[int]) -> torch.Tensor:
+    order = decode_order(seq_lens)
+    assert sorted(order) == list(range(len(seq_lens))) and order != list(range(len(seq_lens)))
+    return torch.tensor(order, dtype=torch.int32, device=DEV)
+
+
+def test_decode_order_is_longest_first_and_stable():
+    assert decode_order([5, 9, 5, 1, 9]) == [1, 4, 0, 2, 3]
+    assert decode_order([]) == []
+
+
+def test_decode_programs_follow_the_order():
+    """The kernel reads ``order``: every program pointed at sequence 2 computes its rows only, the
+    other rows stay poisoned."""
+    case = (4, 2, 64, 16, "bf16", "bf16")
+    b = _make_batch([1] * 4, [33, 1, 97, 64], *case[:4], torch.bfloat16, "bf16", _gen("order", case))
+    out = torch.full(b.query.shape, math.nan, dtype=b.query.dtype, device=DEV)
+    order = torch.full((4,), 2, dtype=torch.int32, device=DEV)
+    triton_attention.paged_attention(b.query, b.kv_cache, scale=0.125, out=out, order=order, **b.kernel_args())
+    assert bool(out[[0, 1, 3]].isnan().all())
+    want = reference.paged_attention(b.query, b.kv_cache, b.block_tables, b.query_lens, b.seq_lens, 0.125)
+    assert _rel_err(out[2], want[2].double()) < 2e-2
 
 
 @pytest.mark.parametrize("case", [(4, 2, 64, 16, "bf16", "bf16"), (4, 2, 64, 16, "bf16", "fp8_e4m3"),
@@ -524,7 +551,7 @@ def test_attention_decode_only_gpu(d, cache, num_splits):
     seq_lens = [1, 2, 15, 16, 17] + torch.randint(1, 4000, (59,), generator=gen).tolist()
     qd = "fp32" if cache == "fp32" else "bf16"
     b = _make_batch([1] * len(seq_lens), seq_lens, 32, 8, d, 16, FLOAT[qd], cache, gen)
-    _check_attention(b, num_splits=num_splits)
+    _check_attention(b, num_splits=num_splits, order=_order(seq_lens) if d == 128 else None)
 
 
 @pytest.mark.parametrize("q_mag", [3e4, 1e-5])

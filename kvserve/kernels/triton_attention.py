@@ -153,7 +153,7 @@ def _attend_tile(
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt", "num_splits", "stride_qt", "stride_ot"])
 def _attention_kernel(
     out_ptr, part_acc_ptr, part_ml_ptr,
-    q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
+    q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, order_ptr,
     k_scale_ptr, v_scale_ptr, q_scale_ptr, inv_q_scale_ptr, qk_scale,
     num_seqs,
     stride_qt, stride_qh,
@@ -166,20 +166,36 @@ def _attention_kernel(
     PAGE: tl.constexpr, TILE_N: tl.constexpr,
     FP8: tl.constexpr, FP8_E5M2: tl.constexpr, IEEE: tl.constexpr,
     SPLIT: tl.constexpr, PDL: tl.constexpr, QUERY_FP8: tl.constexpr, P_SHIFT: tl.constexpr, PV_FP8: tl.constexpr,
-    HEAVY_FIRST: tl.constexpr, FP16_MMA: tl.constexpr,
+    HEAVY_FIRST: tl.constexpr, FP16_MMA: tl.constexpr, DECODE: tl.constexpr, ORDERED: tl.constexpr,
+    HK: tl.constexpr,
 ):
     pdl.start(PDL)
-    if HEAVY_FIRST:  # the GPU starts programs in launch order: the longest causal blocks first, the short ones fill in
-        q_block = tl.num_programs(0) - 1 - tl.program_id(0)
-    else:
-        q_block = tl.program_id(0)
-    kv_head = tl.program_id(1)
     split = tl.program_id(2)
-
-    seq = _find_seq(query_start_ptr, q_block, num_seqs, BLOCK_Q)
-    q_start = tl.load(query_start_ptr + seq)
-    q_len = tl.load(query_start_ptr + seq + 1) - q_start
-    q_off = (q_block - (q_start // BLOCK_Q + seq)) * BLOCK_Q
+    if DECODE:
+        # one token a sequence: program i is (sequence rank i // HK, KV head i % HK), no search;
+        # with ORDERED the ranks index ``order`` (longest sequences first: the GPU starts programs
+        # in launch order, so the long ones start first and the short ones fill in at the end)
+        rank = tl.program_id(0) // HK
+        kv_head = tl.program_id(0) % HK
+        if ORDERED:
+            seq = tl.load(order_ptr + rank)
+        else:
+            seq = rank
+        q_start = tl.load(query_start_ptr + seq)
+        q_len = tl.load(query_start_ptr + seq + 1) - q_start
+        q_off = 0
+    else:
+        # the GPU starts programs in launch order: HEAVY_FIRST launches the longest causal blocks
+        # first, the short ones fill in
+        if HEAVY_FIRST:
+            q_block = tl.num_programs(0) - 1 - tl.program_id(0)
+        else:
+            q_block = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        seq = _find_seq(query_start_ptr, q_block, num_seqs, BLOCK_Q)
+        q_start = tl.load(query_start_ptr + seq)
+        q_len = tl.load(query_start_ptr + seq + 1) - q_start
+        q_off = (q_block - (q_start // BLOCK_Q + seq)) * BLOCK_Q
     if q_off >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -275,7 +291,7 @@ def _attention_kernel(
         )
     else:
         # Partials: acc [T, Hq, S, HEAD_PAD] (unnormalized, v-scaled), (m, l) [T, Hq, S, 2].
-        part = (out_row * (G * tl.num_programs(1)) + head) * num_splits + split
+        part = (out_row * (G * HK) + head) * num_splits + split
         tl.store(part_acc_ptr + part[:, None] * HEAD_PAD + d[None, :], acc * v_mul, mask=row_ok[:, None])
         tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
         tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
@@ -363,6 +379,7 @@ def paged_attention(
     pv_fp8: bool | None = None,
     heavy_first: bool | None = None,
     fp16_mma: bool | None = None,
+    order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of every sequence's new tokens; see the module docstring.
 
@@ -373,7 +390,9 @@ def paged_attention(
     quantized-query read's P @ V MMA (fp8, or fp16 on the same values; None: ``PV_FP8``);
     ``fp16_mma`` both of its MMAs in fp16 on the e4m3 values (None: below ``FP16_MMA_BELOW_ROWS``
     rows a program); ``heavy_first`` the launch order of the query blocks (None: ``HEAVY_FIRST``).
-    Returns ``out`` [T, Hq, D]."""
+    Decode-only batches (``max_query_len`` 1) run one program per (sequence, KV head), in the
+    order of ``order`` [B] int32 where given (a permutation of the sequences, longest first:
+    ``layers.attention.decode_order``), else in batch order. Returns ``out`` [T, Hq, D]."""
     num_tokens, num_heads, head = query.shape
     _, _, page, num_kv_heads, head_c = kv_cache.shape
     assert head_c == head and num_heads % num_kv_heads == 0, "query / cache shapes do not match"
@@ -413,10 +432,16 @@ def paged_attention(
         part_ml = torch.empty((num_tokens, num_heads, num_splits, 2), dtype=torch.float32, device=query.device)
     else:
         part_acc = part_ml = out  # unused
-    grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
+    decode = max_query_len == 1
+    if decode:
+        grid = (num_seqs * num_kv_heads, 1, num_splits)
+        assert order is None or order.shape == (num_seqs,), "order: one entry per sequence"
+    else:
+        grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
+    ordered = decode and order is not None
     _attention_kernel[grid](
         out, part_acc, part_ml,
-        query, cache, block_tables, seq_lens, query_start_loc,
+        query, cache, block_tables, seq_lens, query_start_loc, order if ordered else seq_lens,
         k_scale_t, v_scale_t, q_scale_t, inv_q_scale_t, float(scale),
         num_seqs,
         query.stride(0), query.stride(1),
@@ -430,7 +455,7 @@ def paged_attention(
         SPLIT=num_splits > 1, QUERY_FP8=query_fp8, P_SHIFT=quant.p_shift if query_fp8 else 0,
         PV_FP8=(PV_FP8 if pv_fp8 is None else pv_fp8) and not fp16_mma_on,
         HEAVY_FIRST=HEAVY_FIRST if heavy_first is None else heavy_first,
-        FP16_MMA=fp16_mma_on,
+        FP16_MMA=fp16_mma_on, DECODE=decode, ORDERED=ordered, HK=num_kv_heads,
         num_warps=num_warps, num_stages=num_stages, **launch_opts, **pdl.launch_options(query.device),
     )
     if num_splits > 1:

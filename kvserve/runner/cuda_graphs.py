@@ -60,6 +60,8 @@ class DecodeGraphs:
         self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=dev)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=dev)
+        self.arange = torch.arange(n, dtype=torch.int32, device=dev)
+        self.decode_order = self.arange.clone()  # the batch's rows longest first, then the padding rows
         self.block_tables = torch.zeros((n, self.max_blocks), dtype=torch.int32, device=dev)
         # hybrid models: each row's state slot (padding rows: the scratch slot) and whether it is read
         self.scratch_slot = runner.state_scratch_row
@@ -83,6 +85,7 @@ class DecodeGraphs:
             block_size=self.runner.block_size,
             query_start_loc=self.query_start_loc[: size + 1],
             seq_lens_t=self.seq_lens[:size],
+            decode_order_t=self.decode_order[:size],
             max_query_len=1,
             max_seq_len=self.max_model_len,
             # fixed per graph: sized for the longest context, empty parts exit at once
@@ -135,6 +138,7 @@ class DecodeGraphs:
         self.positions[:n].copy_(positions)
         self.slot_mapping[:n].copy_(meta.slot_mapping)
         self.seq_lens[:n].copy_(meta.seq_lens_t)
+        self.decode_order[:n].copy_(meta.decode_order_t if meta.decode_order_t is not None else self.arange[:n])
         self.block_tables[:n, : meta.block_tables.shape[1]].copy_(meta.block_tables)
         if self.state_slots is not None and self.has_initial_state is not None:
             assert meta.state_slots_t is not None and meta.has_initial_state_t is not None
@@ -143,6 +147,7 @@ class DecodeGraphs:
         if size > n:
             self.slot_mapping[n:size].fill_(-1)
             self.seq_lens[n:size].fill_(0)
+            self.decode_order[n:size].copy_(self.arange[n:size])
             if self.state_slots is not None and self.has_initial_state is not None:
                 self.state_slots[n:size].fill_(self.scratch_slot)
                 self.has_initial_state[n:size].fill_(0)

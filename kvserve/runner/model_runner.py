@@ -12,7 +12,7 @@ import torch
 
 from kvserve.config import EngineConfig
 from kvserve.engine.scheduler import SchedulerOutput
-from kvserve.layers.attention import Attention, AttentionMetadata
+from kvserve.layers.attention import Attention, AttentionMetadata, decode_order
 from kvserve.loader.weights import iterate_weights
 from kvserve.logger import init_logger
 from kvserve.models.registry import build_model
@@ -318,14 +318,19 @@ class ModelRunner:
             meta.state_slots, meta.has_initial_state = self._state_rows(sched)
         if triton:
             qsl = [0] + list(itertools.accumulate(query_lens))
+            meta.max_query_len, meta.max_seq_len = max(query_lens), max(seq_lens)
+            rows = [qsl, seq_lens]
+            if meta.max_query_len == 1:  # decode-only: attention programs launch longest sequence first
+                rows.append(decode_order(seq_lens))
             if meta.state_slots is not None:
                 assert meta.has_initial_state is not None
-                (meta.query_start_loc, meta.seq_lens_t, meta.state_slots_t,
-                 meta.has_initial_state_t) = rows_to_device(
-                    (qsl, seq_lens, meta.state_slots, [int(h) for h in meta.has_initial_state]), torch.int32, dev)
-            else:
-                meta.query_start_loc, meta.seq_lens_t = rows_to_device((qsl, seq_lens), torch.int32, dev)
-            meta.max_query_len, meta.max_seq_len = max(query_lens), max(seq_lens)
+                rows += [meta.state_slots, [int(h) for h in meta.has_initial_state]]
+            on_device = rows_to_device(rows, torch.int32, dev)
+            meta.query_start_loc, meta.seq_lens_t = on_device[:2]
+            if meta.max_query_len == 1:
+                meta.decode_order_t = on_device[2]
+            if meta.state_slots is not None:
+                meta.state_slots_t, meta.has_initial_state_t = on_device[-2:]
             if meta.max_query_len == 1 and dev.type == "cuda":
                 # split-KV sized as in the CUDA graphs (by the padded batch size and max_model_len),
                 # so eager and graph decode run the same attention kernels

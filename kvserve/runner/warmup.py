@@ -59,6 +59,8 @@ def _batch(runner: "RunnerView", query_lens: list[int], num_splits: int | None) 
         max_seq_len=max(query_lens),
         num_splits=num_splits,
     )
+    if meta.max_query_len == 1:  # the decode kernels as the runner launches them (ordered)
+        meta.decode_order_t = torch.arange(len(query_lens), dtype=torch.int32, device=dev)
     if runner.state_pool is not None:  # hybrid models: fresh states (the slots are rewritten at each start)
         meta.state_slots = [i % runner.state_pool.num_slots for i in range(len(query_lens))]
         meta.has_initial_state = [False] * len(query_lens)
