@@ -54,7 +54,12 @@ Timing: triton.testing.do_bench median (it zeroes a 256 MB buffer before every c
 starts with a cold L2; events bracket the call only); warm-up and compile happen before. Inputs are
 random (never zeros); outputs are poisoned with NaN before the checked call. Cross-check (--graph,
 default on GPU): a CUDA graph of n x [128 MB L2 flush, call] minus a graph of n x [flush], per call;
-it removes launch overhead. Both are in the JSON ("ms", "graph_ms"); the tables use "ms".
+it removes launch overhead. Both are in the JSON ("ms", "graph_ms"); the tables use "ms". Both
+flushes zero a buffer, which leaves L2 full of dirty lines (~50 MB on Hopper) that the timed call
+then writes back: 10-20% of a 100-300 MB decode's traffic. "clean_ms" flushes by reading 128 MB
+instead (clean lines, as after the engine's own weight-reading kernels); the "clean L2" decode
+table and "clean x" ratios use it, and the store rows compare it with a plain copy of the same
+bytes.
 
 Checks: before timing each configuration the same call is compared with
 kvserve.kernels.reference (fp32) on a slice (decode: sequences 0 and B-1 of that very batch;
@@ -153,7 +158,7 @@ class Impl:
         return triton_attention.paged_attention
 
     def _ref_attention(self, query, kv_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len,
-                       max_seq_len, quant=None, out=None, num_splits=None, pv_fp8=None):
+                       max_seq_len, quant=None, out=None, num_splits=None, pv_fp8=None, order=None):
         qsl = query_start_loc.tolist()
         qlens = [b - a for a, b in zip(qsl, qsl[1:])]
         if quant is not None and quant.query_fp8:
@@ -174,7 +179,8 @@ class Timer:
         self.graph = graph and cuda
         self.smoke_reps = smoke_reps
         self.graph_off: dict[str, str] = {}  # group -> why graph timing was switched off
-        self.flush = torch.empty(128 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda") if self.graph else None
+        self.flush = torch.zeros(128 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda") if self.graph else None
+        self.flush_sum = torch.zeros((), dtype=torch.int64, device="cuda") if self.graph else None
 
     def sync(self) -> None:
         if self.cuda:
@@ -199,7 +205,18 @@ class Timer:
         res = {"ms": ms, "method": "do_bench median, L2 flushed per call"}
         if self.graph and group not in self.graph_off:
             res["graph_ms"] = self._graph_ms(fn, ms, group)
+        if self.graph and group not in self.graph_off:
+            res["clean_ms"] = self._graph_ms(fn, ms, group, clean=True)
         return res
+
+    def _flush(self, clean: bool) -> None:
+        """Evict L2: zero 128 MB (L2 left full of dirty lines, as do_bench leaves it: the next call
+        pays their write-back, ~50 MB on Hopper) or read it (``clean``: clean lines, nothing to write
+        back, as after the engine's own kernels, which read weights and write little)."""
+        if clean:
+            torch.sum(self.flush, out=self.flush_sum)
+        else:
+            self.flush.zero_()
 
     def _capture(self, body) -> "torch.cuda.CUDAGraph":
         """capture_begin/end on the side stream: torch.cuda.graph() would also run gc.collect() and
@@ -230,31 +247,31 @@ class Timer:
             ts.append(a.elapsed_time(b))
         return statistics.median(ts)
 
-    def _graph_ms(self, fn, est_ms: float, group: str):
+    def _graph_ms(self, fn, est_ms: float, group: str, clean: bool = False):
         n = 1 << int(round(math.log2(min(64, max(4, 8.0 / max(est_ms, 1e-3))))))  # graph ~8 ms or 4 calls
         g = None
         try:
             if not hasattr(self, "stream"):
                 self.stream = torch.cuda.Stream()
-                self.flush_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+                self.flush_graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
             self.stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self.stream):  # warm on the capture stream (allocator pools, guards)
                 for _ in range(2):
-                    self.flush.zero_()
+                    self._flush(clean)
                     fn()
             torch.cuda.current_stream().wait_stream(self.stream)
             torch.cuda.synchronize()
 
             def body():
                 for _ in range(n):
-                    self.flush.zero_()
+                    self._flush(clean)
                     fn()
 
             g = self._capture(body)
-            if n not in self.flush_graphs:  # flush-only graph of the same length, captured once per n
-                self.flush_graphs[n] = self._capture(lambda: [self.flush.zero_() for _ in range(n)])
+            if (n, clean) not in self.flush_graphs:  # flush-only graph of the same length, captured once per n
+                self.flush_graphs[n, clean] = self._capture(lambda: [self._flush(clean) for _ in range(n)])
             t_with = self._replay_ms(g)
-            t_flush = self._replay_ms(self.flush_graphs[n])
+            t_flush = self._replay_ms(self.flush_graphs[n, clean])
             return max(t_with - t_flush, 0.0) / n
         except Exception as e:  # capture refused (host sync, ...): keep do_bench numbers only
             torch.cuda.synchronize()
@@ -266,6 +283,10 @@ class Timer:
 
 
 # --------------------------------------------------------------------------- helpers
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     out, ref = out.double(), ref.double()
     if not bool(torch.isfinite(out).all()):
@@ -416,8 +437,9 @@ class Run:
             "smoke": a.smoke, "triton_interpret": os.environ.get("TRITON_INTERPRET"),
             "impl": self.impl.names, "args": vars(a),
             "shape": {"q_heads": a.q_heads, "kv_heads": a.kv_heads, "head_dim": a.head_dim, "block_size": a.block_size},
-            "timing": "do_bench median with a 256 MB L2 flush before each call (GPU); graph_ms: CUDA graph of "
-                      "[128 MB flush, call] x n minus [flush] x n, per call; perf_counter on CPU",
+            "timing": "do_bench median with a 256 MB L2 flush (zeroing) before each call (GPU); graph_ms: CUDA graph "
+                      "of [zero 128 MB, call] x n minus [zero 128 MB] x n, per call; clean_ms: the same with a read of "
+                      "128 MB as the flush (no dirty lines to write back); perf_counter on CPU",
             "copy_bw_GBps": None,
         })
         self.res["gpu_state_start"] = gpu_state() if self.cuda else None
@@ -506,13 +528,39 @@ class Run:
                     row = {"tokens": T, "cache_dtype": name, "bytes": nbytes, **t, "GBps": bw, "pct_copy": self.pct(bw)}
                     # the store is host-bound under do_bench (~45 us a call); the engine runs it in CUDA graphs
                     row["graph_pct_copy"] = self.pct(self.gbps(nbytes, t["graph_ms"])) if t.get("graph_ms") else None
+                    row["clean_pct_copy"] = self.pct(self.gbps(nbytes, t["clean_ms"])) if t.get("clean_ms") else None
+                    # a plain copy of the same bytes (half read, half written) in the same harness: what
+                    # a kernel of this size reaches at best
+                    same = self.same_size_copy(nbytes)
+                    if same:
+                        row["same_size_copy"] = same
+                        if t.get("clean_ms") and same.get("clean_ms"):
+                            row["clean_vs_same_size_copy"] = same["clean_ms"] / t["clean_ms"]
                     self.res["store"].append(row)
                     print(f"[store] T={T:6d} {name:4s} {t['ms'] * 1e3:9.2f} us {bw:7.0f} GB/s {fmt(row['pct_copy'], '.0f')}%cp"
-                          f"  graph {fmt(row['graph_pct_copy'], '.0f')}%cp")
+                          f"  graph {fmt(row['graph_pct_copy'], '.0f')}%cp"
+                          f"  clean {fmt(row['clean_pct_copy'], '.0f')}%cp"
+                          f"  clean vs same-size copy {fmt(row.get('clean_vs_same_size_copy'), '.2f')}")
                 except Exception as e:
                     self.error(tag, e)
                 self.save()
             del key, value, slots
+
+    def same_size_copy(self, nbytes: int) -> dict | None:
+        """``dst.copy_(src)`` moving ``nbytes`` in all (read + write), timed like the kernels; cached."""
+        if not self.cuda:
+            return None
+        cache = self.__dict__.setdefault("_same_size", {})
+        if nbytes not in cache:
+            n = nbytes // 4  # bf16 elements each way
+            src = self.randn(n)
+            dst = torch.empty_like(src)
+            t = self.timer.time(lambda: dst.copy_(src), "copy")
+            clean = self.pct(self.gbps(2 * n * 2, t["clean_ms"])) if t.get("clean_ms") else None
+            cache[nbytes] = {"bytes": 2 * n * 2, **t, "pct_copy": self.pct(self.gbps(2 * n * 2, t["ms"])),
+                             "clean_pct_copy": clean}
+            del src, dst
+        return cache[nbytes]
 
     def _check_store(self, tag, key, value, name, quant) -> None:
         a = self.args
@@ -861,6 +909,7 @@ class Run:
             bt = torch.randperm(self.pool_blocks, device=self.dev)[: b * nblk].to(torch.int32).view(b, nblk)
             qsl = torch.arange(b + 1, dtype=torch.int32, device=self.dev)
             sl = torch.full((b,), ctx, dtype=torch.int32, device=self.dev)
+            order = qsl[:b]  # the runner's launch order (longest first: the batch order at equal lengths)
             q = self.randn(b, hq, d)
             out = torch.empty_like(q)
             rows = sorted({0, b - 1})
@@ -871,7 +920,7 @@ class Run:
                 try:
                     out.fill_(float("nan"))
                     got = self.impl.paged_attention(q, pool, bt, qsl, sl, scale, 1, ctx, quant=quant, out=out,
-                                                    **self.pv_kw(name))
+                                                    order=order, **self.pv_kw(name))
                     got = out if got is None else got
                     splits = choose_num_splits(b, hk, ctx, q.device)
                     expect = self.expect(q[rows], pool, bt[rows], [1] * len(rows), [ctx] * len(rows), scale, quant, splits)
@@ -885,11 +934,13 @@ class Run:
                                    nonfinite=int((~torch.isfinite(out)).sum()))
                     del expect, got
                     t = self.timer.time(lambda: self.impl.paged_attention(q, pool, bt, qsl, sl, scale, 1, ctx, quant=quant,
-                                                                          out=out, **self.pv_kw(name)), "decode_ours")
+                                                                          out=out, order=order, **self.pv_kw(name)),
+                                        "decode_ours")
                     kv, nbytes = self.decode_bytes(b, ctx, name)
                     bw = self.gbps(nbytes, t["ms"])
                     row = {"batch": b, "context": ctx, "cache_dtype": name, "kv_bytes": kv, "bytes": nbytes, **t,
-                           "GBps": bw, "pct_copy": self.pct(bw), "tokens_per_s": b / (t["ms"] * 1e-3), "rel_err": err}
+                           "GBps": bw, "pct_copy": self.pct(bw), "tokens_per_s": b / (t["ms"] * 1e-3), "rel_err": err,
+                           "clean_pct_copy": self.pct(self.gbps(nbytes, t["clean_ms"])) if t.get("clean_ms") else None}
                     ms_of[name] = t["ms"]
                     if name != "bf16" and "bf16" in ms_of:
                         row["fp8_speedup"] = ms_of["bf16"] / t["ms"]
@@ -991,7 +1042,8 @@ class Run:
                     kv, nbytes = self.decode_bytes(b, ctx, name)
                     bw = self.gbps(nbytes, t["ms"])
                     row = {"batch": b, "context": ctx, "cache_dtype": name, "mode": mode, "kv_bytes": kv,
-                           "bytes": nbytes, **t, "GBps": bw, "pct_copy": self.pct(bw), "rel_err": err}
+                           "bytes": nbytes, **t, "GBps": bw, "pct_copy": self.pct(bw), "rel_err": err,
+                           "clean_pct_copy": self.pct(self.gbps(nbytes, t["clean_ms"])) if t.get("clean_ms") else None}
                     self.res["flashinfer"].append(row)
                     if best is None or t["ms"] < best["ms"]:
                         best = row
@@ -1134,7 +1186,8 @@ class Run:
         # FlashInfer's fp8 read against both of ours: the dequantizing one (fp8) and the quantized query (fp8q)
         r["ours_vs_flashinfer"] = [
             {"batch": b, "context": c, "cache_dtype": ours, "ours_ms": dec[(b, c, ours)]["ms"],
-             "flashinfer_ms": f["ms"], "flashinfer_mode": f["mode"], "ours_speedup": f["ms"] / dec[(b, c, ours)]["ms"]}
+             "flashinfer_ms": f["ms"], "flashinfer_mode": f["mode"], "ours_speedup": f["ms"] / dec[(b, c, ours)]["ms"],
+             "ours_speedup_clean": _ratio(f.get("clean_ms"), dec[(b, c, ours)].get("clean_ms"))}
             for (b, c, name), f in sorted(fi.items()) for ours in ((name,) if name == "bf16" else ("fp8", "fp8q"))
             if (b, c, ours) in dec]
         r["flashinfer_off"] = self.fi_off
@@ -1142,7 +1195,8 @@ class Run:
         r["ours_vs_vllm_triton"] = [
             {"batch": b, "context": c, "cache_dtype": ours, "ours_ms": dec[(b, c, ours)]["ms"],
              "vllm_triton_ms": v["ms"], "vllm_triton_launch": v["launch"],
-             "ours_speedup": v["ms"] / dec[(b, c, ours)]["ms"]}
+             "ours_speedup": v["ms"] / dec[(b, c, ours)]["ms"],
+             "ours_speedup_clean": _ratio(v.get("clean_ms"), dec[(b, c, ours)].get("clean_ms"))}
             for (b, c, name), v in sorted(vt.items()) for ours in ((name,) if name == "bf16" else ("fp8", "fp8q"))
             if (b, c, ours) in dec]
         r["vllm_triton_off"] = self.vt_off
@@ -1207,11 +1261,25 @@ class Run:
                 v8 = f8["variant"][0] if f8 else " "
                 tok = f"{ob['tokens_per_s']:10.3g}" if ob else "-"
                 L.append(f"{b:5d} {c:6d} | {us(ob)} | {us(o8)} {fp8x} | {us(oq)} {fp8qx} | {us(fb)} {vb} | {us(f8)} {v8} | {xb} {x8} | {tok}")
+        if any(x.get("clean_ms") for x in r["decode"]):
+            L.append("decode, clean L2 (graph of [read 128 MB, call] minus [read]; us, % of copy)")
+            dec, _ = self._by_point()
+            for b, c in sorted({k[:2] for k in dec}):
+                cells = []
+                for name in ("bf16", "fp8", "fp8q"):
+                    x = dec.get((b, c, name))
+                    if x and x.get("clean_ms"):
+                        cells.append(f"{name} {x['clean_ms'] * 1e3:8.1f} {fmt(x.get('clean_pct_copy'), '4.0f')}")
+                ob, oq = dec.get((b, c, "bf16")), dec.get((b, c, "fp8q"))
+                if ob and oq and ob.get("clean_ms") and oq.get("clean_ms"):
+                    cells.append(f"fp8q/bf16 {ob['clean_ms'] / oq['clean_ms']:.2f}x")
+                L.append(f"{b:5d} {c:6d} | " + " | ".join(cells))
         if r.get("ours_vs_flashinfer"):
-            L.append("decode vs FlashInfer (best of its modes; x = FlashInfer time / ours)")
+            L.append("decode vs FlashInfer (best of its modes; x = FlashInfer time / ours; clean: the same, clean L2)")
             for v in r["ours_vs_flashinfer"]:
                 L.append(f"{v['batch']:5d} {v['context']:6d} {v['cache_dtype']:5s} ours {v['ours_ms'] * 1e3:8.1f}us "
-                         f"fi {v['flashinfer_ms'] * 1e3:8.1f}us ({v['flashinfer_mode']}) x {v['ours_speedup']:.2f}")
+                         f"fi {v['flashinfer_ms'] * 1e3:8.1f}us ({v['flashinfer_mode']}) x {v['ours_speedup']:.2f}"
+                         f" clean x {fmt(v.get('ours_speedup_clean'), '.2f')}")
         for k, v in r.get("flashinfer_off", {}).items():
             L.append(f"  flashinfer {k} off: {v[:200]}")
         if r.get("ours_vs_vllm_triton"):
@@ -1219,7 +1287,7 @@ class Run:
             for v in r["ours_vs_vllm_triton"]:
                 L.append(f"{v['batch']:5d} {v['context']:6d} {v['cache_dtype']:5s} ours {v['ours_ms'] * 1e3:8.1f}us "
                          f"vllm {v['vllm_triton_ms'] * 1e3:8.1f}us ({v['vllm_triton_launch']})"
-                         f" x {v['ours_speedup']:.2f}")
+                         f" x {v['ours_speedup']:.2f} clean x {fmt(v.get('ours_speedup_clean'), '.2f')}")
         for k, v in r.get("vllm_triton_off", {}).items():
             L.append(f"  vllm_triton {k} off: {v[:200]}")
         g = [(x["graph_ms"] / x["ms"], x) for x in r["decode"] + r["flex"] + r["store"] if x.get("graph_ms") and x["ms"] > 0]
