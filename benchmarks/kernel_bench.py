@@ -7,8 +7,9 @@ The kernels family of the suite (benchmarks/RESULTS.md):
     python3 benchmarks/kernel_bench.py --out kernels.json               # H200 by hand, full grid (~4-5 min)
     python3 benchmarks/kernel_bench.py --smoke --out /tmp/kernels.json  # CPU: every code path, tiny
     python3 benchmarks/kernel_bench.py --smoke --impl reference         # without the Triton kernels
-Options worth knowing: --sections copy,store,prefill,mixed,decode (decode includes flex and the
-FlashInfer / vLLM peers); --mixed-chunk 2048 --mixed-contexts 0,2048,6144 --mixed-decodes 64; --no-flex,
+Options worth knowing: --sections copy,store,prefill,mixed,ragged,decode (decode includes flex and
+the FlashInfer / vLLM peers); --mixed-chunk 2048 --mixed-contexts 0,2048,6144 --mixed-decodes 64;
+--ragged-batch 256 --ragged-mean 1024; --no-flex,
 --no-flex-fp8, --no-ours-decode (flex only); --batches 1,8 --contexts 1024,4096; --flex-variants
 auto|both|full|partial; --flex-page-size 128; --int32-pools (keep every cache tensor under 2^31
 elements, dropping the big points); --time-budget-s 480 (remaining points are skipped, never the
@@ -33,6 +34,8 @@ What is measured (all in one process, one GPU):
   mixed    a chunked-prefill batch: prefill chunks over cached context (one fresh) plus decodes in
            one launch, bf16 / fp8 / fp8q pages, vs FlashAttention-2's varlen kernel through
            torch.nn.attention.varlen (causal, bottom-right aligned) on the same K/V, packed dense.
+  ragged   one decode batch of ragged contexts (uniform 64 .. 2 x mean), launched in batch order and
+           longest sequence first (the runner's order), bf16 / fp8 / fp8q pages.
   decode   batch x context grid, 1 query token per sequence, block size 16, block tables = random
            blocks of one pool sized for the largest point (same pool for every point), bf16 pages and
            fp8_e4m3 pages (k_scale 0.02, v_scale 0.015), num_splits=None (auto). bytes = KV read +
@@ -333,7 +336,7 @@ class Run:
         self.dev = torch.device("cuda" if self.cuda else "cpu")
         self.t0 = time.time()
         self.res: dict = {"checks": [], "errors": [], "skipped": [], "store": [], "decode": [], "flex": [], "prefill": [],
-                          "flashinfer": [], "vllm_triton": [], "mixed": []}
+                          "flashinfer": [], "vllm_triton": [], "mixed": [], "ragged": []}
         self.failed = False
         self.flex_off: dict[str, str] = {}  # "dtype/variant" -> why that flex path was switched off
         self.fi = None  # FlashInfer's decode (setup_flashinfer)
@@ -480,6 +483,7 @@ class Run:
         a = self.args
         bs = a.block_size
         mixed = sum(math.ceil(n / bs) for n in self.mixed_batch()[1]) if "mixed" in a.sections else 0
+        mixed = max(mixed, sum(math.ceil(n / bs) for n in self.ragged_lens()) if "ragged" in a.sections else 0)
         need = max([b * math.ceil(c / bs) for b, c in points] + [math.ceil(max(a.store_tokens) * 2 / bs),
                                                                math.ceil(max(a.prefill_tokens) / bs) + 1, mixed])
         self.pool_blocks = need
@@ -761,6 +765,71 @@ class Run:
             self.res["mixed"].extend(rows.values())
             print(f"[mixed] {tag}: " + "  ".join(f"{n} {r['ms'] * 1e3:.1f}us {r['tflops']:.1f}TF/s"
                                                  for n, r in rows.items()))
+        except Exception as e:
+            self.error(tag, e)
+        self.save()
+
+    def ragged_lens(self) -> list[int]:
+        """The ragged decode batch's contexts: uniform in [64, 2 x --ragged-mean] (seeded), the spread
+        of the end-to-end workload's decode steps."""
+        a = self.args
+        g = torch.Generator().manual_seed(1234)
+        return torch.randint(64, 2 * a.ragged_mean + 1, (a.ragged_batch,), generator=g).tolist()
+
+    def bench_ragged(self) -> None:
+        """One decode batch of ragged contexts (bf16 / fp8 / fp8q pages), its programs launched in
+        batch order and in the runner's order (longest sequence first, ``decode_order``): the
+        launch order's effect where lengths differ, which the uniform grid cannot show."""
+        if self.over_budget("ragged"):
+            return
+        from kvserve.layers.attention import decode_order
+
+        a = self.args
+        hq, hk, d, bs = a.q_heads, a.kv_heads, a.head_dim, a.block_size
+        scale = d ** -0.5
+        slens = self.ragged_lens()
+        b = len(slens)
+        tag = f"ragged B={b} ctx {min(slens)}-{max(slens)}"
+        try:
+            need = [math.ceil(n / bs) for n in slens]
+            perm = torch.randperm(self.pool_blocks, device=self.dev)[: sum(need)].to(torch.int32)
+            bt = torch.zeros(b, max(need), dtype=torch.int32, device=self.dev)
+            for i, (o, n) in enumerate(zip([0] + list(itertools.accumulate(need))[:-1], need)):
+                bt[i, :n] = perm[o : o + n]
+            qsl = torch.arange(b + 1, dtype=torch.int32, device=self.dev)
+            sl = torch.tensor(slens, dtype=torch.int32, device=self.dev)
+            orders = {"batch_order": qsl[:b],
+                      "longest_first": torch.tensor(decode_order(slens), dtype=torch.int32, device=self.dev)}
+            q = self.randn(b, hq, d)
+            out = torch.empty_like(q)
+            rows = sorted({0, b - 1, int(torch.tensor(slens).argmax())})
+            line = []
+            for name, pool, quant in self.caches():
+                if name == "fp8q_pv8":
+                    continue
+                ms = {}
+                for oname, order in orders.items():
+                    def ours(pool=pool, quant=quant, order=order):
+                        return self.impl.paged_attention(q, pool, bt, qsl, sl, scale, 1, max(slens), quant=quant,
+                                                         out=out, order=order)
+
+                    out.fill_(float("nan"))
+                    ours()
+                    expect = self.expect(q[rows], pool, bt[rows], [1] * len(rows), [slens[i] for i in rows], scale,
+                                         quant)
+                    self.check(f"{tag} {name} {oname}", rel_err(out[rows], expect),
+                               nonfinite=int((~torch.isfinite(out)).sum()))
+                    t = self.timer.time(ours, "ragged")
+                    kv, nbytes = self.decode_bytes(b, sum(slens) // b, name)
+                    row = {"batch": b, "contexts": [min(slens), max(slens), sum(slens) / b], "cache_dtype": name,
+                           "order": oname, "bytes": nbytes, **t, "pct_copy": self.pct(self.gbps(nbytes, t["ms"])),
+                           "clean_pct_copy": self.pct(self.gbps(nbytes, t["clean_ms"])) if t.get("clean_ms") else None}
+                    ms[oname] = t
+                    self.res["ragged"].append(row)
+                fast = ms["batch_order"]["ms"] / ms["longest_first"]["ms"]
+                line.append(f"{name} {ms['batch_order']['ms'] * 1e3:.1f} -> {ms['longest_first']['ms'] * 1e3:.1f}us "
+                            f"({fast:.2f}x)")
+            print(f"[ragged] {tag} (batch order -> longest first): " + "  ".join(line))
         except Exception as e:
             self.error(tag, e)
         self.save()
@@ -1328,10 +1397,12 @@ def parse_args(argv=None):
     p.add_argument("--cpu", action="store_true", help="ignore CUDA even if present (with --smoke)")
     p.add_argument("--impl", choices=("triton", "reference", "auto"), default=None,
                    help="kernels under test (default triton; --smoke: auto = Triton where it exists)")
-    p.add_argument("--sections", default="copy,store,prefill,mixed,decode")
+    p.add_argument("--sections", default="copy,store,prefill,mixed,ragged,decode")
     p.add_argument("--mixed-chunk", type=int, default=None, help="mixed batch: tokens per prefill chunk")
     p.add_argument("--mixed-contexts", type=ints, default=None, help="mixed batch: each chunk's cached context")
     p.add_argument("--mixed-decodes", type=int, default=None, help="mixed batch: decode tokens beside the chunks")
+    p.add_argument("--ragged-batch", type=int, default=None, help="ragged decode batch: sequences")
+    p.add_argument("--ragged-mean", type=int, default=None, help="ragged decode batch: mean context (uniform 64..2x)")
     p.add_argument("--no-flex", dest="flex", action="store_false")
     p.add_argument("--no-flex-fp8", dest="flex_fp8", action="store_false")
     p.add_argument("--no-ours-decode", dest="ours_decode", action="store_false", help="decode grid: flex only")
@@ -1367,10 +1438,11 @@ def parse_args(argv=None):
     a.argv = list(sys.argv[1:] if argv is None else argv)
     big = dict(batches=[1, 8, 32, 64, 128, 256], contexts=[1024, 4096, 8192, 16384, 32768], store_tokens=[256, 4096, 16384],
                prefill_tokens=[1024, 2048, 4096, 8192], mixed_chunk=2048, mixed_contexts=[0, 2048, 6144],
-               mixed_decodes=64, q_heads=32, kv_heads=8, head_dim=128, copy_elems=1 << 30,
+               mixed_decodes=64, ragged_batch=256, ragged_mean=1024, q_heads=32, kv_heads=8, head_dim=128,
+               copy_elems=1 << 30,
                flex_check_lens=[1000, 17, 4096, 130, 1, 2048, 777, 129])
     small = dict(batches=[1, 3], contexts=[40, 300], store_tokens=[5, 40], prefill_tokens=[32, 80], mixed_chunk=24,
-                 mixed_contexts=[0, 40], mixed_decodes=3, q_heads=8, kv_heads=2,
+                 mixed_contexts=[0, 40], mixed_decodes=3, ragged_batch=5, ragged_mean=60, q_heads=8, kv_heads=2,
                  head_dim=64, copy_elems=1 << 20, flex_check_lens=[300, 1, 129])
     for k, v in (small if a.smoke else big).items():
         if getattr(a, k, None) is None:
@@ -1412,6 +1484,8 @@ def main(argv=None) -> int:
             run.bench_prefill()
         if "mixed" in args.sections:
             run.bench_mixed()
+        if "ragged" in args.sections:
+            run.bench_ragged()
         if points:
             if args.flex:
                 try:
