@@ -785,7 +785,7 @@ class Run:
         from kvserve.layers.attention import decode_order
 
         a = self.args
-        hq, hk, d, bs = a.q_heads, a.kv_heads, a.head_dim, a.block_size
+        hq, d, bs = a.q_heads, a.head_dim, a.block_size
         scale = d ** -0.5
         slens = self.ragged_lens()
         b = len(slens)
