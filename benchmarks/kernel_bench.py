@@ -217,7 +217,7 @@ class Timer:
         pays their write-back, ~50 MB on Hopper) or read it (``clean``: clean lines, nothing to write
         back, as after the engine's own kernels, which read weights and write little)."""
         if clean:
-            torch.sum(self.flush, out=self.flush_sum)
+            torch.sum(self.flush, dim=0, out=self.flush_sum)
         else:
             self.flush.zero_()
 
