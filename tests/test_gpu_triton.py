@@ -31,9 +31,11 @@ def _llm(folder, **kw) -> LLM:
 
 @pytest.mark.parametrize("kv", ["auto", "fp8_e4m3", "fp8_e5m2"])
 def test_triton_with_graphs_gives_reference_tokens_fp32(make_tiny_model, kv):
+    """kvserve's own triton name reads the pages as the reference does (dequantized K and V, the query
+    kept); ``auto`` would take TRITON_ATTN here, whose e4m3 read quantizes the query (other numerics)."""
     folder = make_tiny_model("qwen3")
     ref = _tokens(_llm(folder, dtype="float32", kv_cache_dtype=kv, attention_backend="reference"))
-    llm = _llm(folder, dtype="float32", kv_cache_dtype=kv)
+    llm = _llm(folder, dtype="float32", kv_cache_dtype=kv, attention_backend="triton")
     runner = llm.llm_engine.runner
     assert runner.backend == "triton" and runner.graphs is not None
     assert runner.graphs.sizes == [1, 2, 4, 8]
