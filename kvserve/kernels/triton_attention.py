@@ -15,7 +15,8 @@ base 2).
 
 Split-KV (flash-decoding): the KV range of each program can be cut into ``num_splits`` parts that
 run as separate programs; a second kernel merges their partial results. Chosen automatically for
-decode-only batches whose (sequences x KV heads) would not fill the GPU.
+decode-only batches whose (sequences x KV heads) would not fill the GPU. Decode-only batches launch
+one program per (sequence, KV head) in a given order (longest first, ``layers.attention.decode_order``).
 
 Same contract as ``reference.paged_attention``: sequence i owns query rows
 ``query_start_loc[i]:query_start_loc[i+1]`` at positions ``seq_lens[i] - query_len_i ..
