@@ -13,17 +13,19 @@
 #   serve    serve_bench.py: kvserve serve + kvserve bench serve, c1/16/64/256, bf16 vs fp8 KV
 #   cpu      cpu_bench.py on the host CPU (default model if built, else SmolLM2-shaped random weights)
 #   profile  e2e_bench.py --profile: where a Qwen3-0.6B decode step's time goes, bf16 and fp8
+#   parity   parity_bench.py: the golden set's greedy / teacher-forced parity of every read (fp32, the fp8 reads)
+#            (the default model, or PARITY_ARGS="--gguf part1,part2" to build it from a carried GGUF)
 #
 # Seconds each family may take (a device call allows 600 s: two families fit one call):
-#   KERNELS_S=150 E2E_S=330 GDN_S=150 HYBRID_S=330 QUANT_S=240 SERVE_S=240 CPU_S=300 PROFILE_S=120
-# More flags for one family's script: KERNELS_ARGS E2E_ARGS GDN_ARGS HYBRID_ARGS QUANT_ARGS SERVE_ARGS CPU_ARGS PROFILE_ARGS.
+#   KERNELS_S=150 E2E_S=330 GDN_S=150 HYBRID_S=330 QUANT_S=240 SERVE_S=240 CPU_S=300 PROFILE_S=120 PARITY_S=480
+# More flags for one family's script: KERNELS_ARGS E2E_ARGS GDN_ARGS HYBRID_ARGS QUANT_ARGS SERVE_ARGS CPU_ARGS PROFILE_ARGS PARITY_ARGS.
 # OUT: the output folder (default a new /tmp/kvserve-bench.* folder). KVSERVE_COMMIT: the commit
 # each JSON records (set it on the device machine: its copy of the tree has no or a stale .git).
 # WHEELS: a folder of .whl files carried to the device (the server's wheels for `serve`, peers such
 # as fla-core): installed with pip --no-index --no-deps into /tmp/kvserve-site, first on PYTHONPATH.
 set -uo pipefail
 
-FAMILIES=(kernels e2e gdn hybrid quant serve cpu profile)
+FAMILIES=(kernels e2e gdn hybrid quant serve cpu profile parity)
 ALL=(kernels e2e gdn hybrid quant serve cpu)
 known() {
   local f
@@ -52,7 +54,7 @@ if [ -n "${WHEELS:-}" ]; then
   export PYTHONPATH=/tmp/kvserve-site:$PYTHONPATH
 fi
 KERNELS_S=${KERNELS_S:-150} E2E_S=${E2E_S:-330} GDN_S=${GDN_S:-150} HYBRID_S=${HYBRID_S:-330} QUANT_S=${QUANT_S:-240}
-SERVE_S=${SERVE_S:-240} CPU_S=${CPU_S:-300} PROFILE_S=${PROFILE_S:-120}
+SERVE_S=${SERVE_S:-240} CPU_S=${CPU_S:-300} PROFILE_S=${PROFILE_S:-120} PARITY_S=${PARITY_S:-480}
 
 default_model_built() {
   python3 -c "from kvserve.loader import default_model as d; import sys; \
@@ -77,6 +79,8 @@ family_command() {
                ${CPU_ARGS:-} ;;
     profile) echo python3 benchmarks/e2e_bench.py --profile --models qwen3-0.6b --profile-steps 10 \
                --out "$OUT/profile.json" ${PROFILE_ARGS:-} ;;
+    parity)  echo python3 benchmarks/parity_bench.py --out "$OUT/parity.json" --time-budget-s $((PARITY_S - 30)) \
+               ${PARITY_ARGS:-} ;;
   esac
 }
 
@@ -84,7 +88,7 @@ budget_of() {
   case $1 in
     kernels) echo "$KERNELS_S" ;; e2e) echo "$E2E_S" ;; gdn) echo "$GDN_S" ;; quant) echo "$QUANT_S" ;;
     hybrid) echo "$HYBRID_S" ;;
-    serve) echo "$SERVE_S" ;; cpu) echo "$CPU_S" ;; profile) echo "$PROFILE_S" ;;
+    serve) echo "$SERVE_S" ;; cpu) echo "$CPU_S" ;; profile) echo "$PROFILE_S" ;; parity) echo "$PARITY_S" ;;
   esac
 }
 

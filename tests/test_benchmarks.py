@@ -18,9 +18,10 @@ BENCH = REPO / "benchmarks"
 RUN_FIELDS = {"benchmark", "date", "command", "smoke", "git_commit", "gpu", "cpu", "python", "torch", "triton",
               "transformers"}
 # one smoke test per script below; the helper modules beside them are not benchmarks
-SMOKE_TESTED = {"kernel_bench", "e2e_bench", "gdn_bench", "hybrid_bench", "quant_bench", "serve_bench", "cpu_bench"}
+SMOKE_TESTED = {"kernel_bench", "e2e_bench", "gdn_bench", "hybrid_bench", "quant_bench", "serve_bench", "cpu_bench",
+                "parity_bench"}
 HELPERS = {"common", "flex_paged", "flashinfer_peer", "vllm_triton_peer"}
-FAMILIES = ("kernels", "e2e", "gdn", "hybrid", "quant", "serve", "cpu", "profile")
+FAMILIES = ("kernels", "e2e", "gdn", "hybrid", "quant", "serve", "cpu", "profile", "parity")
 
 
 def run_smoke(script: str, tmp_path: Path, *extra: str, timeout: float = 300) -> tuple[dict, str]:
@@ -208,6 +209,27 @@ def test_cpu_smoke_runs_both_engines_and_compares_their_tokens(tmp_path):
     # greedy fp32 on the same random weights: the two engines give the same tokens
     assert doc["summary"]["identical_kvserve_vs_transformers"] == doc["workload"]["num_prompts"] == 3
     assert results["kvserve"]["output_token_ids"] == results["transformers"]["output_token_ids"]
+
+
+def test_parity_smoke_runs_every_cpu_read_against_references_it_makes(tmp_path):
+    doc, out = run_smoke("parity_bench", tmp_path)
+    jobs = {(j["read"], j["mode"], Path(j["ref"]).stem): j for j in doc["jobs"]}
+    assert all(j["rc"] == 0 for j in doc["jobs"]), [j.get("log_tail") for j in doc["jobs"] if j["rc"] != 0]
+    assert doc["reads"] == ["fp32", "dequant_reference", "fp8q_twin_p0", "fp8q_twin_p8"]  # no kernels on the CPU
+    # the stand-in reference is the fp32 read's own greedy run: greedy exact, teacher-forced within fp32 noise
+    assert jobs["fp32", "greedy", "fp32_stand_in"]["exact"] == 2
+    assert jobs["fp32", "tf", "fp32_stand_in"]["agree"] == jobs["fp32", "tf", "fp32_stand_in"]["steps"] > 0
+    assert jobs["fp32", "tf", "fp32_stand_in"]["p99"] < 1e-4
+    for read in ("dequant_reference", "fp8q_twin_p0", "fp8q_twin_p8"):  # both modes of every fp8 read ran
+        assert jobs[read, "tf", "fp32_stand_in"]["steps"] == jobs["fp32", "tf", "fp32_stand_in"]["steps"]
+        assert jobs[read, "greedy", "fp32_stand_in"]["prompts"] == 2
+    # the dequantized read is the fake-quant recipe's formula: far closer to it than the fp32 cache is
+    assert doc["recipe"]["rc"] == 0 and doc["recipe"]["line"].startswith("recipe spread")
+    here = jobs["dequant_reference", "tf", "fp8_e4m3_here"]
+    assert here["p99"] < 1e-4 < jobs["fp32", "tf", "fp8_e4m3_here"]["p50"]
+    for s in (0, 8):  # the twin against its own greedy file: one pass vs token by token, same tiles here
+        assert jobs[f"fp8q_twin_p{s}", "tf", f"twin_p{s}_here"]["p99"] < 1e-4
+    assert "summary: fp32 2/2 exact" in out and ", 0 failed" in out
 
 
 def test_gpu_sh_parses():

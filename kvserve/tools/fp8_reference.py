@@ -129,14 +129,16 @@ def make_reference(prompts_path: str | Path, model_dir: str | Path, fp8: str, kv
     from transformers import AutoTokenizer
 
     model, cache_cls = _load(model_dir, fp8, kv_scales)
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    has_tokenizer = any((Path(model_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
+    tok = AutoTokenizer.from_pretrained(str(model_dir)) if has_tokenizer else None  # else ids only, text ""
     with open(prompts_path) as f, open(out_path, "w") as out:
         for line in f:
             if not line.strip():
                 continue
             p = json.loads(line)
             rec = generate(model, p["prompt_token_ids"], cache_cls, max_tokens)
-            rec = {"id": p["id"], **rec, "text": tok.decode(rec["output_token_ids"], skip_special_tokens=True)}
+            text = tok.decode(rec["output_token_ids"], skip_special_tokens=True) if tok else ""
+            rec = {"id": p["id"], **rec, "text": text}
             out.write(json.dumps(rec, ensure_ascii=False) + "\n")
 
 
