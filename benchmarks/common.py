@@ -31,6 +31,36 @@ TINY_QWEN3: dict[str, Any] = {
     "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_theta": 1000000, "tie_word_embeddings": True,
     "torch_dtype": "bfloat16", "vocab_size": 512,
 }
+# a tiny Llama (SmolLM2's architecture) for CPU smoke runs with random fp32 weights
+TINY_LLAMA: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512,
+    "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": True,
+    "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu", "initializer_range": 0.2,
+    "torch_dtype": "float32",
+}
+
+
+def with_random_weights(folder: Path | None, config: dict | None, work: Path) -> Path:
+    """A checkpoint folder under ``work``: ``folder``'s config (or ``config``) with random fp32
+    weights written by transformers, seeded, so every engine loads the same weights."""
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    dst = work / "random-weights"
+    dst.mkdir(parents=True, exist_ok=True)
+    if folder is not None:
+        for name in ("config.json", "generation_config.json"):
+            if (folder / name).is_file():
+                shutil.copy(folder / name, dst / name)
+    else:
+        (dst / "config.json").write_text(json.dumps(config))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(dst)), dtype=torch.float32)
+    model.save_pretrained(str(dst))
+    return dst
 
 
 def median_ms(fn, reps: int, warmup: int = 1, cuda: bool = True) -> float:

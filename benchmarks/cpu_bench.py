@@ -44,7 +44,6 @@ import hashlib
 import json
 import os
 import random
-import shutil
 import statistics
 import subprocess
 import sys
@@ -70,13 +69,7 @@ TF_MAX_REQUESTS = 256
 TF_NUM_BLOCKS = 1024  # 16,384 tokens of KV: ~2x the peak need of this workload (~8.4k), no preemption
 
 # --smoke: a tiny Llama (SmolLM2's architecture), random weights, three short prompts
-SMOKE_CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
-    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512,
-    "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": True,
-    "bos_token_id": 1, "eos_token_id": EOS_ID, "hidden_act": "silu", "initializer_range": 0.2,
-    "torch_dtype": "float32",
-}
+SMOKE_CONFIG = common.TINY_LLAMA
 SMOKE_PROMPT_LENS = (5, 12, 30)
 SMOKE_MAX_NEW_TOKENS = 8
 SMOKE_KV_CACHE_MEMORY = 1 << 24  # kvserve's KV pool in the smoke run (the CPU default is 4 GiB)
@@ -98,26 +91,6 @@ def synthetic_prompts(vocab_size: int, groups, seed: int = 0) -> list[dict]:
             ids = [rng.randrange(10, vocab_size) for _ in range(rng.randint(lo, hi))]
             out.append({"id": f"synthetic_{len(out):02d}", "prompt_token_ids": ids})
     return out
-
-
-def with_random_weights(folder: Path | None, config: dict | None, work: Path) -> Path:
-    """A checkpoint folder under ``work``: ``folder``'s config (or ``config``) with random fp32
-    weights written by transformers, seeded, so both engines load the same weights."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    dst = work / "random-weights"
-    dst.mkdir(parents=True, exist_ok=True)
-    if folder is not None:
-        for name in ("config.json", "generation_config.json"):
-            if (folder / name).is_file():
-                shutil.copy(folder / name, dst / name)
-    else:
-        (dst / "config.json").write_text(json.dumps(config))
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(dst)), dtype=torch.float32)
-    model.save_pretrained(str(dst))
-    return dst
 
 
 # ---------------------------------------------------------------------------------------------
@@ -359,12 +332,12 @@ def main(argv: list[str] | None = None) -> int:
     work = tempfile.TemporaryDirectory(prefix="cpu-bench-")
     # the checkpoint both engines serve
     if args.smoke:
-        model = with_random_weights(None, SMOKE_CONFIG, Path(work.name))
+        model = common.with_random_weights(None, SMOKE_CONFIG, Path(work.name))
     elif args.model:
         model = Path(args.model)
         if not list(model.glob("*.safetensors")):
             print(f"[cpu] {model} has no weights: random fp32 weights from its config", flush=True)
-            model = with_random_weights(model, None, Path(work.name))
+            model = common.with_random_weights(model, None, Path(work.name))
     else:
         from kvserve.loader.default_model import ensure_default_model
 

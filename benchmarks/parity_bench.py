@@ -43,12 +43,6 @@ READS = ("fp32", "dequant_kernel", "dequant_reference", "fp8q_kernel_p0", "fp8q_
          "fp8q_twin_p8")
 KERNEL_READS = ("dequant_kernel", "fp8q_kernel_p0", "fp8q_kernel_p8")  # need CUDA (or the interpreter)
 KV_POOL_BYTES = 2 << 30
-SMOKE_CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
-    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512,
-    "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": True,
-    "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu", "initializer_range": 0.2, "torch_dtype": "float32",
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,14 +217,7 @@ def smoke_setup(work: Path) -> tuple[str, str, str]:
     """A tiny random Llama, two random-id prompts and a stand-in 'vLLM' file: its own fp32 greedy run."""
     import random
 
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    model = work / "tiny-llama"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps(SMOKE_CONFIG))
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(model)), dtype=torch.float32).save_pretrained(model)
+    model = common.with_random_weights(None, common.TINY_LLAMA, work)
     rng = random.Random(0)
     prompts = work / "prompts.jsonl"
     rows = [{"id": f"smoke_{i}", "prompt_token_ids": [rng.randrange(10, 512) for _ in range(n)]}
