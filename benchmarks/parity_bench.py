@@ -9,7 +9,9 @@
 - The dequantizing reads teacher-forced against the fp8 fake-quant reference made on this host
   (Oracle C, ``kvserve.tools.fp8_reference`` on the CPU), next to that recipe's own spread.
 - The quantized-query kernels teacher-forced against their twin's greedy file made here, next to the
-  twin's own spread (the twin teacher-forced against that file): the bound sized by the twin's noise.
+  twin's own spread (the twin teacher-forced against that file). That spread is as large as the fp8
+  read's whole cost (P is rounded per key tile, and prefill and decode tiles differ), so this bound
+  does not tell the kernel from other reads; the GPU tests' per-output checks do (RESULTS.md).
 
 Each run is a subprocess (the twin and the P shift are patched in per process), ``--jobs`` at a time
 on the one device, each with a fixed 2 GiB KV pool.
