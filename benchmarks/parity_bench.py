@@ -139,9 +139,12 @@ def run_job(job: Job, model: str, prompts: str, max_tokens: int) -> dict:
 
 # --------------------------------------------------------------------------- the run
 class Runner:
-    def __init__(self, args: argparse.Namespace, model: str, prompts: str, work: Path) -> None:
+    def __init__(self, args: argparse.Namespace, model: str, prompts: str, work: Path, cuda: bool) -> None:
         self.args, self.model, self.prompts, self.work = args, model, prompts, work
         self.t_end = time.time() + args.time_budget_s
+        # runs on the device need no CPU threads of their own: leave the host's cores to the recipe,
+        # which did not finish in 270 s beside five 16-thread device runs on an H100 host (2026-12-06)
+        self.env = {**os.environ, "OMP_NUM_THREADS": "1"} if cuda else None
 
     def one(self, job: Job) -> dict:
         out, log = self.work / f"{job.name}.json", self.work / f"{job.name}.log"
@@ -150,7 +153,7 @@ class Runner:
                "--model", self.model, "--prompts", self.prompts, "--max-tokens", str(self.args.max_tokens)]
         try:
             with open(log, "w") as f:
-                rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
+                rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, env=self.env).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
         res = json.loads(out.read_text()) if out.exists() else dataclasses.asdict(job)
@@ -171,8 +174,8 @@ def recipe_command(model: str, prompts: str, out: Path, max_tokens: int) -> list
             "--fp8", "e4m3", "--out", str(out), "--max-tokens", str(max_tokens), "--spread"]
 
 
-def run(args: argparse.Namespace, model: str, prompts: str, vllm_ref: str, work: Path) -> dict:
-    r = Runner(args, model, prompts, work)
+def run(args: argparse.Namespace, model: str, prompts: str, vllm_ref: str, work: Path, cuda: bool) -> dict:
+    r = Runner(args, model, prompts, work, cuda)
     local_ref, twin_refs = work / "fp8_e4m3_here.jsonl", {s: str(work / f"twin_p{s}_here.jsonl") for s in (0, 8)}
     recipe_log = work / "recipe.log"
     with open(recipe_log, "w") as f:  # the fake-quant recipe on this host's CPU, beside the device jobs
@@ -281,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.time()
         doc = {"run": run_doc, "model": "tiny random Llama (smoke)" if args.smoke else model, "prompts": prompts,
                "vllm_reference": vllm_ref, "reads": args.reads, "jobs_at_a_time": args.jobs,
-               "kv_pool_bytes": KV_POOL_BYTES, **run(args, model, prompts, vllm_ref, work)}
+               "kv_pool_bytes": KV_POOL_BYTES, **run(args, model, prompts, vllm_ref, work, cuda)}
         doc["seconds"] = round(time.time() - t0, 1)
     out = Path(args.out) if args.out else common.default_out("parity")
     common.write_json(out, doc)
