@@ -143,7 +143,8 @@ class Runner:
         self.args, self.model, self.prompts, self.work = args, model, prompts, work
         self.t_end = time.time() + args.time_budget_s
         # runs on the device need no CPU threads of their own: leave the host's cores to the recipe,
-        # which did not finish in 270 s beside five 16-thread device runs on an H100 host (2026-12-06)
+        # which did not finish in 270 s beside five device runs at torch's default thread count and the
+        # GPU tests on an H100 host (2026-12-06; whether the threads were the cause is not measured)
         self.env = {**os.environ, "OMP_NUM_THREADS": "1"} if cuda else None
 
     def one(self, job: Job) -> dict:
