@@ -51,11 +51,11 @@ for name, qlen, head, g, fp8, qfp8, pv_fp8 in json.loads(sys.argv[1]):
     f16 = qfp8 and bm < ta.FP16_MMA_BELOW_ROWS  # decode tiles: fp16 MMAs on the e4m3 values
     # the constexprs paged_attention launches with for this shape (BLOCK_Q = BLOCK_M // G, as it computes)
     const = dict(G=g, BLOCK_M=bm, BLOCK_Q=bm // g, HEAD=head, HEAD_PAD=head, PAGE=16,
-                 TILE_N=tn, FP8=fp8, FP8_E5M2=False, IEEE=False, SPLIT=False, PDL=False, QUERY_FP8=qfp8,
+                 TILE_N=tn, FP8=fp8, IEEE=False, SPLIT=False, PDL=False, QUERY_FP8=qfp8,
                  P_SHIFT=8 if qfp8 else 0, PV_FP8=pv_fp8 and not f16, HEAVY_FIRST=True, FP16_MMA=f16,
-                 DECODE=qlen == 1, ORDERED=qlen == 1, HK=8)
+                 DECODE=qlen == 1, ORDERED=qlen == 1, HK=8, V_T=fp8)
     sig = {n: "constexpr" if n in const else POINTERS.get(n) or ("fp32" if n == "qk_scale" else "i32") for n in names}
-    sig["cache_ptr"] = "*u8" if fp8 else "*bf16"
+    sig["cache_ptr"] = "*fp8e4nv" if fp8 else "*bf16"  # fp8 pages are read through an e4m3 view
     # what a launch tells the compiler: pointers and the cache's / heads' strides are multiples of 16
     div16 = [n for n in names if n.endswith("_ptr") or n in ("stride_qh", "stride_oh", "stride_cb", "stride_ckv",
                                                              "stride_cs", "stride_ch")]

@@ -45,13 +45,16 @@ def _gen(*key: object) -> torch.Generator:
 
 
 def _quant(cache: str, k_scale: float, v_scale: float) -> CacheQuant | None:
-    if cache not in FP8:
+    """An fp8 cache's quantization; ``fp8_.../nhd``: V pages untransposed (the layout the peers read)."""
+    fmt, _, layout = cache.partition("/")
+    if fmt not in FP8:
         return None
-    return CacheQuant(*FP8[cache], k_scale=k_scale, v_scale=v_scale, device=DEV)
+    return CacheQuant(*FP8[fmt], k_scale=k_scale, v_scale=v_scale, device=DEV, value_t=layout != "nhd")
 
 
 def _storage(cache: str) -> torch.dtype:
-    return torch.uint8 if cache in FP8 else FLOAT[cache]
+    fmt = cache.partition("/")[0]
+    return torch.uint8 if fmt in FP8 else FLOAT[fmt]
 
 
 def _poisoned_cache(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
@@ -89,12 +92,19 @@ def _slots(T: int, num_blocks: int, block_size: int, gen: torch.Generator, dtype
     return slots.to(dtype).to(DEV)
 
 
-def _written_rows(slots: torch.Tensor, num_blocks: int, block_size: int) -> torch.Tensor:
-    """[num_blocks, 2, block_size] bool: the cache rows a store to ``slots`` may touch."""
-    mask = torch.zeros(num_blocks * block_size, dtype=torch.bool)
+def _written(slots: torch.Tensor, cache_shape: tuple[int, ...], quant: CacheQuant | None) -> torch.Tensor:
+    """[num_blocks, 2, block_size, Hk * D] bool: the cache values a store to ``slots`` may touch (V
+    transposed in fp8 pages: block b's V half is [Hk, D, block_size], slot b * bs + s its column s)."""
+    num_blocks, _, block_size, hk, d = cache_shape
     s = slots.cpu().long()
-    mask[s[s >= 0]] = True
-    return mask.view(num_blocks, 1, block_size).expand(num_blocks, 2, block_size)
+    s = s[s >= 0]
+    mask = torch.zeros(num_blocks, 2, block_size, hk * d, dtype=torch.bool)
+    mask[s // block_size, 0, s % block_size] = True
+    if quant is not None and quant.value_t:
+        mask[:, 1].view(num_blocks, hk * d, block_size)[s // block_size, :, s % block_size] = True
+    else:
+        mask[s // block_size, 1, s % block_size] = True
+    return mask
 
 
 def _bits(c: torch.Tensor) -> torch.Tensor:
@@ -111,7 +121,7 @@ def _check_store(k, v, slots, cache_shape, cache: str, quant, gen, nan_positions
     n = slots.shape[0]  # the reference takes int64 slots, one per key row
     reference.store_kv(k[:n], v[:n], expected, slots.long(), quant)
     (store or triton_store.store_kv)(k, v, ours, slots, quant)
-    rows = _written_rows(slots, cache_shape[0], cache_shape[2]).to(DEV)
+    rows = _written(slots, cache_shape, quant).to(DEV)
     ob, eb, pb = _bits(ours), _bits(expected), _bits(poison)
     assert torch.equal(ob[~rows], pb[~rows]), "bits outside the stored slots changed"
     if nan_positions is None:
@@ -155,9 +165,12 @@ def test_store_nan_stays_nan(cache):
     valid = s >= 0
     where[s[valid], 0] = nan_k[valid]
     where[s[valid], 1] = nan_v[valid]
-    where = where.view(num_blocks, bs, 2, hk, d).transpose(1, 2).to(DEV)
+    where = where.view(num_blocks, bs, 2, hk, d).transpose(1, 2).contiguous()
+    quant = _quant(cache, 0.37, 3.1)
+    if quant is not None and quant.value_t:  # V halves transposed: [Hk, D, block_size] a block
+        where[:, 1] = where[:, 1].permute(0, 2, 3, 1).contiguous().view(num_blocks, bs, hk, d)
     assert bool(where.any())
-    _check_store(k, v, slots, (num_blocks, 2, bs, hk, d), cache, _quant(cache, 0.37, 3.1), gen, where)
+    _check_store(k, v, slots, (num_blocks, 2, bs, hk, d), cache, quant, gen, where.to(DEV))
 
 
 @pytest.mark.parametrize("cache", ["bf16", "fp8_e4m3"])
@@ -353,7 +366,10 @@ def _dense_f64(b: Batch, scale: float) -> torch.Tensor:
     hq, hk = b.query.shape[1], b.kv_cache.shape[3]
 
     def read(blk: torch.Tensor, off: torch.Tensor, kv: int) -> torch.Tensor:  # [L, Hq, D] float64
-        rows = b.kv_cache[blk, kv, off]
+        if kv and b.quant is not None and b.quant.value_t:  # V pages [Hk, D, block_size] a block
+            rows = b.kv_cache[:, 1].view(-1, hk, b.kv_cache.shape[4], bs)[blk, :, :, off]
+        else:
+            rows = b.kv_cache[blk, kv, off]
         if b.quant is not None:
             rows = rows.view(b.quant.fp8_dtype).double() * (b.quant.v_scale if kv else b.quant.k_scale)
         return rows.double().repeat_interleave(hq // hk, dim=1)
@@ -412,12 +428,14 @@ CPU_CASES = [
     (2, 2, 64, 32, "bf16", "fp8_e5m2"),
     (6, 2, 64, 16, "bf16", "fp8_e4m3"),  # GQA 3 (SmolLM2: 9 / 3): a group that is not a power of two
     (3, 1, 128, 32, "fp32", "fp32"),
+    (4, 2, 64, 16, "bf16", "fp8_e4m3/nhd"),  # V pages untransposed (the peers' layout)
+    (2, 2, 64, 32, "fp32", "fp8_e5m2/nhd"),
 ]
 
 
 def _case_id(c: tuple) -> str:
     hq, hk, d, bs, qd, cache = c
-    return f"h{hq}-{hk}-d{d}-bs{bs}-q{qd}-{cache}"
+    return f"h{hq}-{hk}-d{d}-bs{bs}-q{qd}-{cache.replace('/', '-')}"
 
 
 @pytest.mark.parametrize("case", CPU_CASES, ids=_case_id)
@@ -432,7 +450,8 @@ def test_attention_mixed_batch(case):
 
 @pytest.mark.parametrize("num_splits", [None, 1, 3])
 @pytest.mark.parametrize(
-    "case", [(8, 2, 128, 16, "bf16", "fp8_e4m3"), (4, 2, 64, 32, "fp32", "fp32")], ids=_case_id
+    "case", [(8, 2, 128, 16, "bf16", "fp8_e4m3"), (4, 2, 64, 32, "fp32", "fp32"), (8, 2, 128, 16, "bf16", "fp8_e4m3/nhd")],
+    ids=_case_id
 )
 def test_attention_decode_only(case, num_splits):
     """Decode-only batch, automatic or forced split-KV; context 1 leaves some splits empty."""

@@ -4,9 +4,10 @@ One kernel serves a mixed batch: prefill chunks over their cached context and de
 program owns ``BLOCK_Q = BLOCK_M // G`` query tokens of one sequence times the ``G = Hq / Hk`` query
 heads that share one KV head (``BLOCK_Q * G`` of its ``BLOCK_M`` rows), and walks that sequence's
 pages in tiles of ``TILE_N`` tokens (a tile may span several pages; each token's page comes from
-the block table). fp8 pages are read as bytes, converted exactly to the query dtype, and the
-per-tensor scales are applied to the fp32 scores (``k_scale``) and to the fp32 output
-(``v_scale``); or, with
+the block table). fp8 pages (V transposed, ``CacheQuant.value_t``: each tile's V is loaded as V^T,
+keys contiguous) are read through an fp8 view of their bytes, so the loads feed the MMAs' shared
+memory directly; they are converted exactly to the query dtype, and the per-tensor scales are
+applied to the fp32 scores (``k_scale``) and to the fp32 output (``v_scale``); or, with
 ``CacheQuant.query_fp8`` (vLLM's FLASH_ATTN / TRITON_ATTN on CUDA, e4m3 pages), the query is
 rounded to e4m3 with ``q_scale`` as vLLM's QuantFP8 does, both products are fp8 dots, and P is scaled
 by 2^p_shift (FlashAttention 3's Max_offset, 8) and rounded to e4m3 for P @ V, as FA3 does; its twin
@@ -36,10 +37,11 @@ from kvserve.kernels.triton_store import num_sms
 
 _LOG2E = 1.4426950408889634
 # The quantized-query read's P @ V as an fp8 MMA (True) or an fp16 MMA on the same e4m3 values (the
-# same products, fp32 sums): fp16, since the fp8 one stages V transposed and was 1.4-2.6x slower in
-# every prefill on the H200 (head 128 / 256, 1k / 4k tokens: 1,047 vs 495 us at head 128, 4,096 tokens;
-# benchmarks/RESULTS.md, 2026-12-06) and no faster in decode.
-PV_FP8 = False
+# same products, fp32 sums), by value page layout: transposed pages (``CacheQuant.value_t``) give the
+# fp8 MMA its K-major V straight from the pages (cp.async into the MMA's shared layout, sm_90 TTGIR);
+# over [block, token, head, dim] pages the fp8 MMA stages V transposed and was 1.4-2.6x slower in every
+# prefill on the H200 (1,047 vs 495 us at head 128, 4,096 tokens; benchmarks/HISTORY.md, 2026-12-06).
+PV_FP8 = {True: True, False: False}
 # Launch the query blocks last-first (a causal prefill's longest blocks first): 3-13% faster prefills
 # at 15 of 16 H200 probe points (reads x heads 128 / 256 x 1k / 4k tokens; bf16 head 128 x 1k 2.5%
 # slower; 2026-12-06); decode programs carry one token each.
@@ -78,8 +80,9 @@ def _attend_tile(
     t, m_i, l_i, acc, q, q_pos, num_keys, scale2, cache_ptr, table, kv_head,
     stride_cb, stride_ckv, stride_cs, stride_ch,
     HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, PAGE: tl.constexpr, TILE_N: tl.constexpr,
-    FP8: tl.constexpr, FP8_E5M2: tl.constexpr, IEEE: tl.constexpr, MASKED: tl.constexpr,
+    FP8: tl.constexpr, IEEE: tl.constexpr, MASKED: tl.constexpr,
     QUERY_FP8: tl.constexpr, P_SHIFT: tl.constexpr, PV_FP8: tl.constexpr, FP16_MMA: tl.constexpr,
+    V_T: tl.constexpr,
 ):
     """One tile of ``TILE_N`` keys: scores, online-softmax update (base 2), P @ V. ``MASKED``
     False: every key of the tile is in range and visible to every row (no masks, no -inf).
@@ -100,17 +103,29 @@ def _attend_tile(
     off = page.to(tl.int64) * stride_cb + (n % PAGE) * stride_cs + kv_head * stride_ch
     if HEAD_PAD == HEAD and not MASKED:
         k = tl.load(cache_ptr + off[:, None] + d[None, :])
+    else:
+        k = tl.load(cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    if V_T:
+        # value pages transposed ([Hk, D, PAGE] a block): a tile's V^T [D, TILE_N], keys contiguous
+        # in runs of PAGE (the K-major operand an fp8 MMA takes for P @ V)
+        v_off = page.to(tl.int64) * stride_cb + kv_head * (HEAD * PAGE) + n % PAGE
+        v_ptr = cache_ptr + stride_ckv + v_off[None, :] + d[:, None] * PAGE
+        v_ptr = tl.max_contiguous(tl.multiple_of(v_ptr, [1, PAGE]), [1, PAGE])
+        if MASKED:
+            # whole pages in range (a mask constant over each page's PAGE contiguous keys keeps the
+            # load one cp.async per 16 bytes), then the keys past the end zeroed: their bytes are
+            # whatever the page holds (NaN included), and 0 x NaN would reach the output
+            page_ok = (n // PAGE) * PAGE < num_keys
+            v = tl.load(v_ptr, mask=(d < HEAD)[:, None] & page_ok[None, :], other=0.0)
+            v = tl.trans(tl.where(n_ok[None, :], v, 0.0))
+        elif HEAD_PAD == HEAD:
+            v = tl.trans(tl.load(v_ptr))
+        else:
+            v = tl.trans(tl.load(v_ptr, mask=(d < HEAD)[:, None], other=0.0))
+    elif HEAD_PAD == HEAD and not MASKED:
         v = tl.load(cache_ptr + stride_ckv + off[:, None] + d[None, :])
     else:
-        k = tl.load(cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0)
-        v = tl.load(cache_ptr + stride_ckv + off[:, None] + d[None, :], mask=kv_mask, other=0)
-    if FP8:
-        if FP8_E5M2:
-            k = k.to(tl.float8e5, bitcast=True)
-            v = v.to(tl.float8e5, bitcast=True)
-        else:
-            k = k.to(tl.float8e4nv, bitcast=True)
-            v = v.to(tl.float8e4nv, bitcast=True)
+        v = tl.load(cache_ptr + stride_ckv + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
     if not QUERY_FP8 or FP16_MMA:
         k = k.to(q.dtype)
         v = v.to(q.dtype)
@@ -165,10 +180,10 @@ def _attention_kernel(
     G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD: tl.constexpr, HEAD_PAD: tl.constexpr,
     PAGE: tl.constexpr, TILE_N: tl.constexpr,
-    FP8: tl.constexpr, FP8_E5M2: tl.constexpr, IEEE: tl.constexpr,
+    FP8: tl.constexpr, IEEE: tl.constexpr,
     SPLIT: tl.constexpr, PDL: tl.constexpr, QUERY_FP8: tl.constexpr, P_SHIFT: tl.constexpr, PV_FP8: tl.constexpr,
     HEAVY_FIRST: tl.constexpr, FP16_MMA: tl.constexpr, DECODE: tl.constexpr, ORDERED: tl.constexpr,
-    HK: tl.constexpr,
+    HK: tl.constexpr, V_T: tl.constexpr,
 ):
     pdl.start(PDL)
     split = tl.program_id(2)
@@ -260,7 +275,7 @@ def _attention_kernel(
             m_i, l_i, acc = _attend_tile(
                 t, m_i, l_i, acc, q, q_pos, num_keys, scale2, cache_ptr, table, kv_head,
                 stride_cb, stride_ckv, stride_cs, stride_ch,
-                HEAD, HEAD_PAD, PAGE, TILE_N, FP8, FP8_E5M2, IEEE, True, QUERY_FP8, P_SHIFT, PV_FP8, FP16_MMA,
+                HEAD, HEAD_PAD, PAGE, TILE_N, FP8, IEEE, True, QUERY_FP8, P_SHIFT, PV_FP8, FP16_MMA, V_T,
             )
     else:
         # Tiles wholly before this block's first query token are visible to every row and in
@@ -270,13 +285,13 @@ def _attention_kernel(
             m_i, l_i, acc = _attend_tile(
                 t, m_i, l_i, acc, q, q_pos, num_keys, scale2, cache_ptr, table, kv_head,
                 stride_cb, stride_ckv, stride_cs, stride_ch,
-                HEAD, HEAD_PAD, PAGE, TILE_N, FP8, FP8_E5M2, IEEE, False, QUERY_FP8, P_SHIFT, PV_FP8, FP16_MMA,
+                HEAD, HEAD_PAD, PAGE, TILE_N, FP8, IEEE, False, QUERY_FP8, P_SHIFT, PV_FP8, FP16_MMA, V_T,
             )
         for t in range(full_end, tile_hi):
             m_i, l_i, acc = _attend_tile(
                 t, m_i, l_i, acc, q, q_pos, num_keys, scale2, cache_ptr, table, kv_head,
                 stride_cb, stride_ckv, stride_cs, stride_ch,
-                HEAD, HEAD_PAD, PAGE, TILE_N, FP8, FP8_E5M2, IEEE, True, QUERY_FP8, P_SHIFT, PV_FP8, FP16_MMA,
+                HEAD, HEAD_PAD, PAGE, TILE_N, FP8, IEEE, True, QUERY_FP8, P_SHIFT, PV_FP8, FP16_MMA, V_T,
             )
 
     out_row = q_start + tok
@@ -384,7 +399,8 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal paged attention of every sequence's new tokens; see the module docstring.
 
-    query [T, Hq, D]; kv_cache [NB, 2, BS, Hk, D] (uint8 for fp8, with ``quant``); block_tables
+    query [T, Hq, D]; kv_cache [NB, 2, BS, Hk, D] (uint8 for fp8, with ``quant``; its V halves
+    [Hk, D, BS] with ``quant.value_t``); block_tables
     [B, M] int32; query_start_loc [B + 1] int32; seq_lens [B] int32. ``num_splits`` None picks
     split-KV automatically for decode-only batches; an int forces it. ``tiles`` overrides the
     (BLOCK_M, TILE_N, num_warps, num_stages[, maxnreg]) choice (for tuning); ``pv_fp8`` the
@@ -425,7 +441,9 @@ def paged_attention(
         cache = kv_cache if kv_cache.dtype == query.dtype else kv_cache  # mixed float dtypes convert in-kernel
         k_scale_t = v_scale_t = q_scale_t = inv_q_scale_t = seq_lens  # unused placeholders (never read)
     else:
-        cache = kv_cache
+        # the pages' bytes as fp8 values: loads then feed the MMAs' shared memory directly (cp.async), where
+        # bytes bitcast after the load took a register round trip into a second shared buffer (sm_90 TTGIR)
+        cache = kv_cache.view(quant.fp8_dtype)
         k_scale_t, v_scale_t = quant.k_scale_t, quant.v_scale_t
         q_scale_t, inv_q_scale_t = quant.q_scale_t, quant.inv_q_scale_t
     if num_splits > 1:
@@ -452,11 +470,11 @@ def paged_attention(
         num_splits,
         G=group, BLOCK_M=block_m, BLOCK_Q=block_q,
         HEAD=head, HEAD_PAD=head_pad, PAGE=page, TILE_N=tile_n,
-        FP8=fp8, FP8_E5M2=fp8 and quant.fp8_dtype == torch.float8_e5m2, IEEE=query.dtype == torch.float32,
+        FP8=fp8, IEEE=query.dtype == torch.float32,
         SPLIT=num_splits > 1, QUERY_FP8=query_fp8, P_SHIFT=quant.p_shift if query_fp8 else 0,
-        PV_FP8=(PV_FP8 if pv_fp8 is None else pv_fp8) and not fp16_mma_on,
+        PV_FP8=(PV_FP8[fp8 and quant.value_t] if pv_fp8 is None else pv_fp8) and not fp16_mma_on,
         HEAVY_FIRST=HEAVY_FIRST if heavy_first is None else heavy_first,
-        FP16_MMA=fp16_mma_on, DECODE=decode, ORDERED=ordered, HK=num_kv_heads,
+        FP16_MMA=fp16_mma_on, DECODE=decode, ORDERED=ordered, HK=num_kv_heads, V_T=fp8 and quant.value_t,
         num_warps=num_warps, num_stages=num_stages, **launch_opts, **pdl.launch_options(query.device),
     )
     if num_splits > 1:
