@@ -212,8 +212,9 @@ def _attention_kernel(
         q_start = tl.load(query_start_ptr + seq)
         q_len = tl.load(query_start_ptr + seq + 1) - q_start
         q_off = (q_block - (q_start // BLOCK_Q + seq)) * BLOCK_Q
-    if q_off >= q_len:
-        return
+        if q_off >= q_len:
+            return
+    # (decode programs go on without waiting for q_len: a sequence without a token masks every row)
     seq_len = tl.load(seq_lens_ptr + seq)
     context = seq_len - q_len
 
