@@ -464,6 +464,40 @@ def test_attention_decode_only(case, num_splits):
     _check_attention(b, num_splits=num_splits, order=_order(seq_lens))
 
 
+@pytest.mark.parametrize(
+    "case", [(8, 2, 128, 16, "bf16", "fp8_e4m3"), (4, 2, 64, 32, "fp32", "fp32"), (8, 2, 64, 16, "bf16", "bf16"),
+             (6, 2, 64, 16, "fp32", "fp8_e5m2/nhd")], ids=_case_id
+)
+def test_attention_decode_items(case, monkeypatch):
+    """Decode over a fixed grid whose programs walk several (sequence, KV head) items each
+    (``items_per_sm``): with 2 "multiprocessors" 2-4 programs take the 14 items in snake order,
+    several items and tiles a program, in batch order and longest first; a sequence of one key and
+    one of 0 keys (a padding row of a CUDA graph: zeros out) among them."""
+    hq, hk, d, bs, qd, cache = case
+    monkeypatch.setattr(triton_attention, "num_sms", lambda device: 2)
+    seq_lens = [33, 1, 97, 64, 130, 70, 0]
+    b = _make_batch([1] * len(seq_lens), seq_lens, hq, hk, d, bs, FLOAT[qd], cache, _gen("items", case))
+    live = Batch(b.query[:-1], b.kv_cache, b.block_tables[:-1], b.query_lens[:-1], seq_lens[:-1], b.quant)
+    for per_sm in (1, 2):
+        for order in (None, _order(seq_lens)):
+            scale = d ** -0.5
+            out = torch.full(b.query.shape, math.nan, dtype=b.query.dtype, device=DEV)
+            triton_attention.paged_attention(b.query, b.kv_cache, scale=scale, quant=b.quant, out=out,
+                                             items_per_sm=per_sm, order=order, **b.kernel_args())
+            assert bool((out[-1] == 0).all()), "the empty sequence's rows are not zeros"
+            err = _rel_err(out[:-1], _dense_f64(live, scale))
+            assert err <= (1e-4 if qd == "fp32" and cache == "fp32" else 2e-2), err
+            # the one-program-an-item grid: the same tiles in the same order (bit-equal in the
+            # interpreter; compiled, the two kernels may contract multiply-adds differently: an
+            # output rounding's worth, 2^-8 for bf16 outputs)
+            ref = triton_attention.paged_attention(b.query, b.kv_cache, scale=scale, quant=b.quant, items_per_sm=0,
+                                                   order=order, **b.kernel_args())
+            if ON_GPU:
+                assert _rel_err(out, ref.double()) <= 2 ** -8
+            else:
+                assert torch.equal(out, ref), "items and the one-program-an-item grid differ"
+
+
 def _order(seq_lens: list[int]) -> torch.Tensor:
     order = decode_order(seq_lens)
     assert sorted(order) == list(range(len(seq_lens))) and order != list(range(len(seq_lens)))
