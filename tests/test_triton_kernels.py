@@ -450,7 +450,8 @@ def test_attention_mixed_batch(case):
 
 @pytest.mark.parametrize("num_splits", [None, 1, 3])
 @pytest.mark.parametrize(
-    "case", [(8, 2, 128, 16, "bf16", "fp8_e4m3"), (4, 2, 64, 32, "fp32", "fp32"), (8, 2, 128, 16, "bf16", "fp8_e4m3/nhd")],
+    "case",
+    [(8, 2, 128, 16, "bf16", "fp8_e4m3"), (4, 2, 64, 32, "fp32", "fp32"), (8, 2, 128, 16, "bf16", "fp8_e4m3/nhd")],
     ids=_case_id
 )
 def test_attention_decode_only(case, num_splits):
