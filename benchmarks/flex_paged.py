@@ -248,7 +248,7 @@ def _self_check() -> None:
     lens = [300, 1, 129, 64]
     nb = sum(math.ceil(n / bs) for n in lens) + 5
     ks, vs = 0.02, 0.03
-    quant = reference.CacheQuant(torch.float8_e4m3fn, 448.0, ks, vs, dev, value_t=False)  # flex pages: V as K
+    quant = reference.CacheQuant(torch.float8_e4m3fn, 448.0, ks, vs, dev)
     fl = FlexPagedDecode(16, ps, hk, d, dev, dtypes=("bf16", "fp8"))
     fl.fill_random_(ks, vs)
     q = torch.randn(len(lens), hq, d, dtype=torch.bfloat16, device=dev)

@@ -398,12 +398,15 @@ class Run:
     def randn(self, *shape, dtype=torch.bfloat16):
         return torch.randn(*shape, dtype=dtype, device=self.dev)
 
-    def quant(self, query_fp8: bool = False, value_t: bool = True):
-        """The fp8 pages' scales; ``query_fp8``: read with the quantized query, P x 2^8 (FLASH_ATTN);
-        ``value_t``: V pages transposed, as the engine lays fp8 pages out (False: as the peers read them)."""
+    def quant(self, query_fp8: bool = False):
+        """The fp8 pages' scales; ``query_fp8``: read with the quantized query, P x 2^8 (FLASH_ATTN)."""
         r = self.impl.reference
         return r.CacheQuant(torch.float8_e4m3fn, 448.0, self.args.k_scale, self.args.v_scale, self.dev,
-                            query_fp8=query_fp8, p_shift=8, value_t=value_t)
+                            query_fp8=query_fp8, p_shift=8)
+
+    def pv_kw(self, name: str) -> dict:
+        """The kernel's keyword for the fp8q_pv8 variant (P @ V as an fp8 MMA, where the kernel can)."""
+        return {"pv_fp8": True} if name == "fp8q_pv8" else {}
 
     def expect(self, q, pool, bt, qlens, slens, scale, quant, num_splits=1):
         """The check's ground truth: the reference read, or the quantized-query twin with the
@@ -501,19 +504,12 @@ class Run:
 
     def caches(self):
         """bf16 pages; fp8 pages read dequantized (kvserve's triton); the same pages read with the
-        quantized query (fp8q: vLLM's FLASH_ATTN); with ``--nhd`` both fp8 reads again over
-        untransposed V pages (fp8_nhd, fp8q_nhd: the layout before value_t; JSON only). The pool's
-        bytes are random fp8 values either way, so each layout reads the same byte count."""
+        quantized query (fp8q: vLLM's FLASH_ATTN)."""
         kinds = [("bf16", self.pool["bf16"], None), ("fp8", self.pool["fp8"], self.quant()),
                  ("fp8q", self.pool["fp8"], self.quant(query_fp8=True))]
-        if self.args.nhd:
-            kinds += [("fp8_nhd", self.pool["fp8"], self.quant(value_t=False)),
-                      ("fp8q_nhd", self.pool["fp8"], self.quant(query_fp8=True, value_t=False))]
+        if self.args.fp8q_pv8:  # the same read with P @ V as an fp8 MMA (JSON only)
+            kinds.append(("fp8q_pv8", self.pool["fp8"], self.quant(query_fp8=True)))
         return tuple(kinds)
-
-    def peer_caches(self):
-        """bf16 and fp8 pages as the peers (FlashInfer, vLLM) read them: V untransposed."""
-        return (("bf16", self.pool["bf16"], None), ("fp8", self.pool["fp8"], self.quant(value_t=False)))
 
     # ---- b. store
     def bench_store(self) -> None:
@@ -525,7 +521,7 @@ class Run:
                 return
             key, value = self.randn(T, hk, d), self.randn(T, hk, d)
             slots = torch.randperm(self.pool_blocks * bs, device=self.dev)[:T]
-            for name, pool, quant in (k for k in self.caches() if k[0] in ("bf16", "fp8", "fp8_nhd")):
+            for name, pool, quant in self.caches()[:2]:
                 tag = f"store {name} T={T}"
                 try:
                     self._check_store(tag, key, value, name, quant)
@@ -571,9 +567,6 @@ class Run:
         return cache[nbytes]
 
     def _check_store(self, tag, key, value, name, quant) -> None:
-        """The store into a cache of random bytes against reference.store_kv into a copy of it: every
-        byte of the two caches equal (either value page layout; bytes outside the slots untouched by
-        both), and the written values' relative error (0 when bit-exact)."""
         a = self.args
         T, bs, hk, d = key.shape[0], a.block_size, a.kv_heads, a.head_dim
         nb = math.ceil(T * 1.25 / bs) + 2
@@ -586,21 +579,28 @@ class Run:
         if T >= 4:
             slots[1] = -1
             slots[T // 2] = -1
-        before = cache.clone()
         expect = cache.clone()
         self.impl.reference.store_kv(key, value, expect, slots, quant)
         self.impl.store_kv(key, value, cache, slots, quant)
         self.timer.sync()
-        bits = torch.int16 if name == "bf16" else torch.uint8
-        got, want, old = (c.view(bits).flatten() for c in (cache, expect, before))
-        written = want != old  # what the reference wrote (bytes it rewrote unchanged aside)
-        changed_outside = int(((got != old) & ~written & (got != want)).sum())
+        rows = cache.view(nb * 2 * bs, -1)
+        erows = expect.view(nb * 2 * bs, -1)
+        valid = slots[slots >= 0]
+        krow = (valid // bs) * (2 * bs) + valid % bs
+        written = torch.zeros(nb * 2 * bs, dtype=torch.bool, device=self.dev)
+        written[krow] = True
+        written[krow + bs] = True
+        diff = (rows.view(torch.uint8) != erows.view(torch.uint8)).any(dim=1)
+        changed_outside = int((diff & ~written).sum())
+        mismatch = float(diff[written].float().mean())
 
-        def values(c):
-            return (c.flatten() if quant is None else c.view(torch.float8_e4m3fn).flatten()).float()
+        def deq(r, scale):
+            return r.float() if quant is None else r.view(torch.float8_e4m3fn).float() * scale
 
-        err = rel_err(values(cache)[written], values(expect)[written])
-        self.check(tag, err, changed_outside=changed_outside, mismatch_frac=float((got != want).float().mean()))
+        ks, vs = (1.0, 1.0) if quant is None else (quant.k_scale, quant.v_scale)
+        got = torch.cat([deq(rows[krow], ks), deq(rows[krow + bs], vs)])
+        want = torch.cat([deq(erows[krow], ks), deq(erows[krow + bs], vs)])
+        self.check(tag, rel_err(got, want), changed_outside=changed_outside, row_mismatch_frac=mismatch)
 
     # ---- e. prefill
     def bench_prefill(self) -> None:
@@ -612,8 +612,7 @@ class Run:
         scale = d ** -0.5
         ref = self.impl.reference
         F = torch.nn.functional
-        impl_of = {"bf16": "ours", "fp8": "ours_fp8", "fp8q": "ours_fp8q", "fp8_nhd": "ours_fp8_nhd",
-                   "fp8q_nhd": "ours_fp8q_nhd"}
+        impl_of = {"bf16": "ours", "fp8": "ours_fp8", "fp8q": "ours_fp8q", "fp8q_pv8": "ours_fp8q_pv8"}
         for T in a.prefill_tokens:
             if self.over_budget(f"prefill T={T}"):
                 return
@@ -631,8 +630,8 @@ class Run:
                 for name, pool, quant in self.caches():
                     ref.store_kv(k, v, pool, slots, quant)
 
-                    def ours(pool=pool, quant=quant):
-                        return self.impl.paged_attention(q, pool, bt, qsl, sl, scale, T, T, quant=quant, out=out)
+                    def ours(pool=pool, quant=quant, kw=self.pv_kw(name)):
+                        return self.impl.paged_attention(q, pool, bt, qsl, sl, scale, T, T, quant=quant, out=out, **kw)
 
                     out.fill_(float("nan"))
                     got = ours()
@@ -739,9 +738,9 @@ class Run:
             flops = 2 * 2 * pairs * hq * d
             rows, expect_bf16 = {}, None
             for name, pool, quant in self.caches():
-                def ours(pool=pool, quant=quant):
+                def ours(pool=pool, quant=quant, kw=self.pv_kw(name)):
                     return self.impl.paged_attention(q, pool, bt, qsl, sl, scale, max(qlens), max(slens), quant=quant,
-                                                     out=out)
+                                                     out=out, **kw)
 
                 out.fill_(float("nan"))
                 got = ours()
@@ -806,6 +805,8 @@ class Run:
             rows = sorted({0, b - 1, int(torch.tensor(slens).argmax())})
             line = []
             for name, pool, quant in self.caches():
+                if name == "fp8q_pv8":
+                    continue
                 ms = {}
                 for oname, order in orders.items():
                     def ours(pool=pool, quant=quant, order=order):
@@ -932,7 +933,7 @@ class Run:
         mb = max(math.ceil(n / bs) for n in lens)
         nb = sum(math.ceil(n / bs) for n in lens) + 3
         for name in self.flex.k:
-            quant = self.quant(value_t=False) if name == "fp8" else None  # flex's pages: V untransposed
+            quant = self.quant() if name == "fp8" else None
             cache = (self.randn(nb, 2, bs, hk, d) if name == "bf16"
                      else torch.randint(0, 256, (nb, 2, bs, hk, d), dtype=torch.uint8, device=self.dev))
             perm = torch.randperm(nb, device=self.dev).to(torch.int32)
@@ -988,7 +989,7 @@ class Run:
                 try:
                     out.fill_(float("nan"))
                     got = self.impl.paged_attention(q, pool, bt, qsl, sl, scale, 1, ctx, quant=quant, out=out,
-                                                    order=order)
+                                                    order=order, **self.pv_kw(name))
                     got = out if got is None else got
                     splits = choose_num_splits(b, hk, ctx, q.device)
                     expect = self.expect(q[rows], pool, bt[rows], [1] * len(rows), [ctx] * len(rows), scale, quant, splits)
@@ -1002,7 +1003,7 @@ class Run:
                                    nonfinite=int((~torch.isfinite(out)).sum()))
                     del expect, got
                     t = self.timer.time(lambda: self.impl.paged_attention(q, pool, bt, qsl, sl, scale, 1, ctx, quant=quant,
-                                                                          out=out, order=order),
+                                                                          out=out, order=order, **self.pv_kw(name)),
                                         "decode_ours")
                     kv, nbytes = self.decode_bytes(b, ctx, name)
                     bw = self.gbps(nbytes, t["ms"])
@@ -1092,7 +1093,7 @@ class Run:
         a = self.args
         hq, hk, d, bs = a.q_heads, a.kv_heads, a.head_dim, a.block_size
         line = []
-        for name, pool, quant in self.peer_caches():  # FlashInfer reads fp8 pages one way
+        for name, pool, quant in self.caches()[:2]:  # bf16, fp8 (FlashInfer reads fp8 pages one way)
             scales = {"k_scale": a.k_scale, "v_scale": a.v_scale} if quant is not None else {}
             expect = self.expect(q[rows], pool, bt[rows], [1] * len(rows), [ctx] * len(rows), scale, quant)
             best = None
@@ -1151,7 +1152,7 @@ class Run:
 
         r = self.impl.reference
         line = []
-        for name, pool, quant in self.peer_caches():
+        for name, pool, quant in self.caches()[:2]:
             tag = f"decode vllm_triton {name} B={b} ctx={ctx}"
             if name in self.vt_off:
                 continue
@@ -1216,12 +1217,8 @@ class Run:
                 else:
                     want_k = ref.quantize_fp8(k, quant.k_scale_t, quant.fp8_dtype, quant.fp8_max)
                     want_v = ref.quantize_fp8(v, quant.v_scale_t, quant.fp8_dtype, quant.fp8_max)
-                if quant is not None and quant.value_t:  # V pages transposed: [Hk, D, bs] a block
-                    got_v = cache[:, 1].view(nb, hk, d, bs)[slots // bs, :, :, slots % bs]
-                else:
-                    got_v = rows[krow + bs]
                 bad = int((rows[krow].view(torch.uint8) != want_k.view(torch.uint8)).sum()
-                          + (got_v.view(torch.uint8) != want_v.view(torch.uint8)).sum())
+                          + (rows[krow + bs].view(torch.uint8) != want_v.view(torch.uint8)).sum())
                 self.check(tag + " store", 0.0 if bad == 0 else float("inf"), bytes_wrong=bad)
                 out = torch.full_like(q, float("nan"))
                 qsl = torch.arange(b + 1, dtype=torch.int32)
@@ -1417,8 +1414,8 @@ def parse_args(argv=None):
     p.add_argument("--vllm-triton-src", default=os.environ.get("VLLM_TRITON_SRC"),
                    help="folder with vLLM's triton_unified_attention.py and triton_attention_helpers.py: "
                         "its Triton kernel as a decode peer (default $VLLM_TRITON_SRC; off when unset)")
-    p.add_argument("--nhd", action="store_true",
-                   help="also both fp8 reads (and the fp8 store) over untransposed V pages (JSON: fp8_nhd, fp8q_nhd)")
+    p.add_argument("--fp8q-pv8", action="store_true",
+                   help="also the quantized-query read with P @ V as an fp8 MMA in prefill tiles (JSON: fp8q_pv8)")
     p.add_argument("--no-bigpool", dest="bigpool", action="store_false", help="--smoke: skip the >2^31-element pool check")
     p.add_argument("--batches", type=ints, default=None)
     p.add_argument("--contexts", type=ints, default=None)

@@ -40,7 +40,7 @@ if name == "fp8_quant":
     sig = {"x_ptr": "*bf16", "inv_ptr": "*fp32", "out_ptr": "*u8", **i32("n")}
 elif name == "store_kv":
     fn, consts = triton_store._store_kv_kernel, {"BLOCK_T": 1, "BLOCK_H": 8, "BLOCK_D": 128, "FP8_FORMAT": 0,
-                                                 "FP8_MAX": 0.0, "V_T": False}
+                                                 "FP8_MAX": 0.0}
     sig = {"key_ptr": "*bf16", "value_ptr": "*bf16", "cache_ptr": "*bf16", "slot_ptr": "*i64", "k_scale_ptr": "*fp32",
            "v_scale_ptr": "*fp32", **i32("num_tokens", "num_kv_heads", "head_size", "stride_kt", "stride_kh",
                                          "stride_kd", "stride_vt", "stride_vh", "stride_vd", "stride_cb", "stride_ckv",

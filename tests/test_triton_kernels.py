@@ -45,16 +45,13 @@ def _gen(*key: object) -> torch.Generator:
 
 
 def _quant(cache: str, k_scale: float, v_scale: float) -> CacheQuant | None:
-    """An fp8 cache's quantization; ``fp8_.../nhd``: V pages untransposed (the layout the peers read)."""
-    fmt, _, layout = cache.partition("/")
-    if fmt not in FP8:
+    if cache not in FP8:
         return None
-    return CacheQuant(*FP8[fmt], k_scale=k_scale, v_scale=v_scale, device=DEV, value_t=layout != "nhd")
+    return CacheQuant(*FP8[cache], k_scale=k_scale, v_scale=v_scale, device=DEV)
 
 
 def _storage(cache: str) -> torch.dtype:
-    fmt = cache.partition("/")[0]
-    return torch.uint8 if fmt in FP8 else FLOAT[fmt]
+    return torch.uint8 if cache in FP8 else FLOAT[cache]
 
 
 def _poisoned_cache(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
@@ -92,19 +89,12 @@ def _slots(T: int, num_blocks: int, block_size: int, gen: torch.Generator, dtype
     return slots.to(dtype).to(DEV)
 
 
-def _written(slots: torch.Tensor, cache_shape: tuple[int, ...], quant: CacheQuant | None) -> torch.Tensor:
-    """[num_blocks, 2, block_size, Hk * D] bool: the cache values a store to ``slots`` may touch (V
-    transposed in fp8 pages: block b's V half is [Hk, D, block_size], slot b * bs + s its column s)."""
-    num_blocks, _, block_size, hk, d = cache_shape
+def _written_rows(slots: torch.Tensor, num_blocks: int, block_size: int) -> torch.Tensor:
+    """[num_blocks, 2, block_size] bool: the cache rows a store to ``slots`` may touch."""
+    mask = torch.zeros(num_blocks * block_size, dtype=torch.bool)
     s = slots.cpu().long()
-    s = s[s >= 0]
-    mask = torch.zeros(num_blocks, 2, block_size, hk * d, dtype=torch.bool)
-    mask[s // block_size, 0, s % block_size] = True
-    if quant is not None and quant.value_t:
-        mask[:, 1].view(num_blocks, hk * d, block_size)[s // block_size, :, s % block_size] = True
-    else:
-        mask[s // block_size, 1, s % block_size] = True
-    return mask
+    mask[s[s >= 0]] = True
+    return mask.view(num_blocks, 1, block_size).expand(num_blocks, 2, block_size)
 
 
 def _bits(c: torch.Tensor) -> torch.Tensor:
@@ -121,7 +111,7 @@ def _check_store(k, v, slots, cache_shape, cache: str, quant, gen, nan_positions
     n = slots.shape[0]  # the reference takes int64 slots, one per key row
     reference.store_kv(k[:n], v[:n], expected, slots.long(), quant)
     (store or triton_store.store_kv)(k, v, ours, slots, quant)
-    rows = _written(slots, cache_shape, quant).to(DEV)
+    rows = _written_rows(slots, cache_shape[0], cache_shape[2]).to(DEV)
     ob, eb, pb = _bits(ours), _bits(expected), _bits(poison)
     assert torch.equal(ob[~rows], pb[~rows]), "bits outside the stored slots changed"
     if nan_positions is None:
@@ -165,12 +155,9 @@ def test_store_nan_stays_nan(cache):
     valid = s >= 0
     where[s[valid], 0] = nan_k[valid]
     where[s[valid], 1] = nan_v[valid]
-    where = where.view(num_blocks, bs, 2, hk, d).transpose(1, 2).contiguous()
-    quant = _quant(cache, 0.37, 3.1)
-    if quant is not None and quant.value_t:  # V halves transposed: [Hk, D, block_size] a block
-        where[:, 1] = where[:, 1].permute(0, 2, 3, 1).contiguous().view(num_blocks, bs, hk, d)
+    where = where.view(num_blocks, bs, 2, hk, d).transpose(1, 2).to(DEV)
     assert bool(where.any())
-    _check_store(k, v, slots, (num_blocks, 2, bs, hk, d), cache, quant, gen, where.to(DEV))
+    _check_store(k, v, slots, (num_blocks, 2, bs, hk, d), cache, _quant(cache, 0.37, 3.1), gen, where)
 
 
 @pytest.mark.parametrize("cache", ["bf16", "fp8_e4m3"])
@@ -366,10 +353,7 @@ def _dense_f64(b: Batch, scale: float) -> torch.Tensor:
     hq, hk = b.query.shape[1], b.kv_cache.shape[3]
 
     def read(blk: torch.Tensor, off: torch.Tensor, kv: int) -> torch.Tensor:  # [L, Hq, D] float64
-        if kv and b.quant is not None and b.quant.value_t:  # V pages [Hk, D, block_size] a block
-            rows = b.kv_cache[:, 1].view(-1, hk, b.kv_cache.shape[4], bs)[blk, :, :, off]
-        else:
-            rows = b.kv_cache[blk, kv, off]
+        rows = b.kv_cache[blk, kv, off]
         if b.quant is not None:
             rows = rows.view(b.quant.fp8_dtype).double() * (b.quant.v_scale if kv else b.quant.k_scale)
         return rows.double().repeat_interleave(hq // hk, dim=1)
@@ -428,14 +412,12 @@ CPU_CASES = [
     (2, 2, 64, 32, "bf16", "fp8_e5m2"),
     (6, 2, 64, 16, "bf16", "fp8_e4m3"),  # GQA 3 (SmolLM2: 9 / 3): a group that is not a power of two
     (3, 1, 128, 32, "fp32", "fp32"),
-    (4, 2, 64, 16, "bf16", "fp8_e4m3/nhd"),  # V pages untransposed (the peers' layout)
-    (2, 2, 64, 32, "fp32", "fp8_e5m2/nhd"),
 ]
 
 
 def _case_id(c: tuple) -> str:
     hq, hk, d, bs, qd, cache = c
-    return f"h{hq}-{hk}-d{d}-bs{bs}-q{qd}-{cache.replace('/', '-')}"
+    return f"h{hq}-{hk}-d{d}-bs{bs}-q{qd}-{cache}"
 
 
 @pytest.mark.parametrize("case", CPU_CASES, ids=_case_id)
@@ -450,9 +432,7 @@ def test_attention_mixed_batch(case):
 
 @pytest.mark.parametrize("num_splits", [None, 1, 3])
 @pytest.mark.parametrize(
-    "case",
-    [(8, 2, 128, 16, "bf16", "fp8_e4m3"), (4, 2, 64, 32, "fp32", "fp32"), (8, 2, 128, 16, "bf16", "fp8_e4m3/nhd")],
-    ids=_case_id
+    "case", [(8, 2, 128, 16, "bf16", "fp8_e4m3"), (4, 2, 64, 32, "fp32", "fp32")], ids=_case_id
 )
 def test_attention_decode_only(case, num_splits):
     """Decode-only batch, automatic or forced split-KV; context 1 leaves some splits empty."""
@@ -463,40 +443,6 @@ def test_attention_decode_only(case, num_splits):
     _check_attention(b, num_splits=num_splits)
     # launched longest first (the runner's order): every sequence still gets its own rows
     _check_attention(b, num_splits=num_splits, order=_order(seq_lens))
-
-
-@pytest.mark.parametrize(
-    "case", [(8, 2, 128, 16, "bf16", "fp8_e4m3"), (4, 2, 64, 32, "fp32", "fp32"), (8, 2, 64, 16, "bf16", "bf16"),
-             (6, 2, 64, 16, "fp32", "fp8_e5m2/nhd")], ids=_case_id
-)
-def test_attention_decode_items(case, monkeypatch):
-    """Decode over a fixed grid whose programs walk several (sequence, KV head) items each
-    (``items_per_sm``): with 2 "multiprocessors" 2-4 programs take the 14 items in snake order,
-    several items and tiles a program, in batch order and longest first; a sequence of one key and
-    one of 0 keys (a padding row of a CUDA graph: zeros out) among them."""
-    hq, hk, d, bs, qd, cache = case
-    monkeypatch.setattr(triton_attention, "num_sms", lambda device: 2)
-    seq_lens = [33, 1, 97, 64, 130, 70, 0]
-    b = _make_batch([1] * len(seq_lens), seq_lens, hq, hk, d, bs, FLOAT[qd], cache, _gen("items", case))
-    live = Batch(b.query[:-1], b.kv_cache, b.block_tables[:-1], b.query_lens[:-1], seq_lens[:-1], b.quant)
-    for per_sm in (1, 2):
-        for order in (None, _order(seq_lens)):
-            scale = d ** -0.5
-            out = torch.full(b.query.shape, math.nan, dtype=b.query.dtype, device=DEV)
-            triton_attention.paged_attention(b.query, b.kv_cache, scale=scale, quant=b.quant, out=out,
-                                             items_per_sm=per_sm, order=order, **b.kernel_args())
-            assert bool((out[-1] == 0).all()), "the empty sequence's rows are not zeros"
-            err = _rel_err(out[:-1], _dense_f64(live, scale))
-            assert err <= (1e-4 if qd == "fp32" and cache == "fp32" else 2e-2), err
-            # the one-program-an-item grid: the same tiles in the same order (bit-equal in the
-            # interpreter; compiled, the two kernels may contract multiply-adds differently: an
-            # output rounding's worth, 2^-8 for bf16 outputs)
-            ref = triton_attention.paged_attention(b.query, b.kv_cache, scale=scale, quant=b.quant, items_per_sm=0,
-                                                   order=order, **b.kernel_args())
-            if ON_GPU:
-                assert _rel_err(out, ref.double()) <= 2 ** -8
-            else:
-                assert torch.equal(out, ref), "items and the one-program-an-item grid differ"
 
 
 def _order(seq_lens: list[int]) -> torch.Tensor:

@@ -11,7 +11,6 @@ kernel ran through it under the interpreter against vLLM 0.33.0's files (kernel_
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import sys
 from pathlib import Path
@@ -78,8 +77,7 @@ def _batch(fp8: bool):
     slots = torch.cat([bt[i, pos // bs].long() * bs + pos % bs for i in range(b)])
     quant = None
     if fp8:
-        quant = reference.CacheQuant(torch.float8_e4m3fn, 448.0, 0.05, 0.03, "cpu", query_fp8=True, q_scale=0.5,
-                                     value_t=False)  # vLLM's pages: V laid out as K
+        quant = reference.CacheQuant(torch.float8_e4m3fn, 448.0, 0.05, 0.03, "cpu", query_fp8=True, q_scale=0.5)
     pool = torch.full((b * nblk + 4, 2, bs, hk, d), 0x7F if fp8 else math.nan,
                       dtype=torch.uint8 if fp8 else torch.bfloat16)  # NaN wherever nothing was stored
     k, v = (torch.randn(b * ctx, hk, d, generator=g) for _ in range(2))
@@ -102,7 +100,7 @@ def test_the_backend_call_on_kvserve_pages(source, fp8):
         assert call["q_dtype"] == torch.float8_e4m3fn
         assert call["kv_quant_mode"] == vllm_triton_peer.KVQuantMode.FP8_PER_TENSOR
         want = reference.paged_attention(query, pool, bt, [1] * 5, [ctx] * 5, 0.125,
-                                         quant=dataclasses.replace(quant, query_fp8=False))
+                                         quant=reference.CacheQuant(torch.float8_e4m3fn, 448.0, 0.05, 0.03, "cpu"))
     else:
         assert call["q_dtype"] == torch.bfloat16 and call["kv_quant_mode"] == vllm_triton_peer.KVQuantMode.NONE
         want = reference.paged_attention(q, pool, bt, [1] * 5, [ctx] * 5, 0.125)

@@ -3,9 +3,7 @@
 KV cache per layer: ``[num_blocks, 2, block_size, num_kv_heads, head_size]`` (index 0 = K, 1 = V).
 Slot ``s`` lives in block ``s // block_size`` at offset ``s % block_size``; slot -1 is padding.
 fp8 caches are ``torch.uint8`` bytes: stored ``fp8(clamp(x_fp32 / scale, -max, max))`` (round to
-nearest even, saturating), read back as ``float32(q) * scale`` (vLLM's per-tensor convention); their
-V halves are transposed (``CacheQuant.value_t``): block b's V bytes are ``[num_kv_heads, head_size,
-block_size]``, so ``kv_cache[b, 1].view(Hk, D, block_size)[h, :, s]`` is V of slot ``b * block_size + s``.
+nearest even, saturating), read back as ``float32(q) * scale`` (vLLM's per-tensor convention).
 
 ``paged_attention_fp8_query`` is the twin of the quantized-query read (vLLM's FLASH_ATTN = FlashAttention
 3 on Hopper, and its TRITON_ATTN on CUDA): the query rounded to e4m3, both products on fp8 values, P
@@ -36,10 +34,6 @@ class CacheQuant:
     query_fp8: bool = False
     q_scale: float = 1.0
     p_shift: int = 8
-    # value pages transposed (the engine's fp8 layout): a block's V half holds [Hk, D, block_size] (keys
-    # contiguous: the K-major operand an fp8 MMA takes for P @ V); False: [block_size, Hk, D] like K, the
-    # layout vLLM's and FlashInfer's kernels read
-    value_t: bool = True
     # the scales as float32 tensors on that device, made once per layer rather than per store
     k_scale_t: torch.Tensor = field(init=False, repr=False, compare=False)
     v_scale_t: torch.Tensor = field(init=False, repr=False, compare=False)
@@ -98,10 +92,7 @@ def store_kv(
         key = quantize_fp8(key, quant.k_scale_t, quant.fp8_dtype, quant.fp8_max)
         value = quantize_fp8(value, quant.v_scale_t, quant.fp8_dtype, quant.fp8_max)
     rows.index_copy_(0, rows_k, key)
-    if quant is not None and quant.value_t:
-        _values_t(kv_cache)[slot_mapping // block_size, :, :, slot_mapping % block_size] = value
-    else:
-        rows.index_copy_(0, rows_k + block_size, value)
+    rows.index_copy_(0, rows_k + block_size, value)
 
 
 def _read_rows(cache_rows: torch.Tensor, idx: torch.Tensor, quant: CacheQuant | None, scale_of: str) -> torch.Tensor:
@@ -141,29 +132,6 @@ def _k_rows(blocks: torch.Tensor, offsets: torch.Tensor, block_size: int) -> tor
 def _rows_view(kv_cache: torch.Tensor) -> torch.Tensor:
     nb, _, bs, h, d = kv_cache.shape
     return kv_cache.view(nb * 2 * bs, h, d)
-
-
-def _values_t(kv_cache: torch.Tensor) -> torch.Tensor:
-    """The V halves of transposed value pages (``CacheQuant.value_t``) as ``[num_blocks, Hk, D, block_size]``."""
-    nb, _, bs, h, d = kv_cache.shape
-    return kv_cache[:, 1].view(nb, h, d, bs)
-
-
-def _value_bytes(kv_cache: torch.Tensor, k_rows: torch.Tensor, quant: CacheQuant | None) -> torch.Tensor:
-    """The stored V rows ``[*k_rows.shape, Hk, D]`` of the keys at ``k_rows`` (rows of ``_rows_view``),
-    from either value page layout."""
-    bs = kv_cache.shape[2]
-    if quant is not None and quant.value_t:
-        return _values_t(kv_cache)[k_rows // (2 * bs), :, :, k_rows % (2 * bs)]
-    return _rows_view(kv_cache).index_select(0, k_rows.flatten() + bs).view(*k_rows.shape, *kv_cache.shape[3:])
-
-
-def _read_values(kv_cache: torch.Tensor, k_rows: torch.Tensor, quant: CacheQuant | None) -> torch.Tensor:
-    """V rows of the keys at ``k_rows`` as float32 (dequantized for fp8: ``float32(q) * v_scale``)."""
-    rows = _value_bytes(kv_cache, k_rows, quant)
-    if quant is None:
-        return rows.float()
-    return dequantize_fp8(rows, quant.v_scale, quant.fp8_dtype)
 
 
 def _decode_group(
@@ -234,21 +202,21 @@ def paged_attention(
     if plan is None:
         plan = plan_attention(block_tables, query_lens, seq_lens, kv_cache.shape[2])
     out = torch.empty_like(query)
-    cache_rows = _rows_view(kv_cache)
+    cache_rows, block_size = _rows_view(kv_cache), kv_cache.shape[2]
 
     # Decodes: one padded call per group of similar lengths; padding keys are masked out.
     for g in plan.decodes:
         b, length = g.k_rows.shape
         flat = g.k_rows.flatten()
         k = _read_rows(cache_rows, flat, quant, "k_scale").view(b, length, *cache_rows.shape[1:]).transpose(1, 2)
-        v = _read_values(kv_cache, flat, quant).view(b, length, *cache_rows.shape[1:]).transpose(1, 2)
+        v = _read_rows(cache_rows, flat + block_size, quant, "v_scale").view(b, length, *cache_rows.shape[1:]).transpose(1, 2)
         q = query[g.rows].float().unsqueeze(2)  # [B, Hq, 1, D]
         out[g.rows] = _attend(q, k, v, g.mask, scale).squeeze(2).to(query.dtype)
 
     # Prefill chunks: one call each, causal with an offset for the cached context.
     for start, n, seq_len, k_rows in plan.prefills:
         k = _read_rows(cache_rows, k_rows, quant, "k_scale").transpose(0, 1).unsqueeze(0)
-        v = _read_values(kv_cache, k_rows, quant).transpose(0, 1).unsqueeze(0)
+        v = _read_rows(cache_rows, k_rows + block_size, quant, "v_scale").transpose(0, 1).unsqueeze(0)
         q = query[start : start + n].float().transpose(0, 1).unsqueeze(0)
         if n == seq_len:  # no cached context: plain causal (lets SDPA take its fused path)
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
@@ -329,7 +297,7 @@ def paged_attention_fp8_query(
         pos = torch.arange(length, device=dev)
         k_rows = _k_rows(block_tables[i].long()[pos // block_size], pos % block_size, block_size)
         k8 = rows.index_select(0, k_rows).view(torch.float8_e4m3fn).to(compute).repeat_interleave(hq // hk, dim=1)
-        v8 = _value_bytes(kv_cache, k_rows, quant).view(torch.float8_e4m3fn).to(compute)
+        v8 = rows.index_select(0, k_rows + block_size).view(torch.float8_e4m3fn).to(compute)
         v8 = v8.repeat_interleave(hq // hk, dim=1).transpose(0, 1)  # [Hq, L, D]
         if fp8_gemm_scores:
             k_codes = rows.index_select(0, k_rows).view(torch.float8_e4m3fn).repeat_interleave(hq // hk, dim=1)

@@ -4,10 +4,10 @@ One kernel serves a mixed batch: prefill chunks over their cached context and de
 program owns ``BLOCK_Q = BLOCK_M // G`` query tokens of one sequence times the ``G = Hq / Hk`` query
 heads that share one KV head (``BLOCK_Q * G`` of its ``BLOCK_M`` rows), and walks that sequence's
 pages in tiles of ``TILE_N`` tokens (a tile may span several pages; each token's page comes from
-the block table). fp8 pages (V transposed, ``CacheQuant.value_t``: each tile's V is loaded as V^T,
-keys contiguous) are read through an fp8 view of their bytes, so the loads feed the MMAs' shared
-memory directly; they are converted exactly to the query dtype, and the per-tensor scales are
-applied to the fp32 scores (``k_scale``) and to the fp32 output (``v_scale``); or, with
+the block table). fp8 pages are read through an fp8 view of their bytes (so the K tile's loads feed
+the MMA's shared memory directly; bytes bitcast after the load took a register round trip), converted
+exactly to the query dtype, and the per-tensor scales are applied to the fp32 scores (``k_scale``)
+and to the fp32 output (``v_scale``); or, with
 ``CacheQuant.query_fp8`` (vLLM's FLASH_ATTN / TRITON_ATTN on CUDA, e4m3 pages), the query is
 rounded to e4m3 with ``q_scale`` as vLLM's QuantFP8 does, both products are fp8 dots, and P is scaled
 by 2^p_shift (FlashAttention 3's Max_offset, 8) and rounded to e4m3 for P @ V, as FA3 does; its twin
@@ -37,19 +37,16 @@ from kvserve.kernels.triton_store import num_sms
 
 _LOG2E = 1.4426950408889634
 # The quantized-query read's P @ V as an fp8 MMA (True) or an fp16 MMA on the same e4m3 values (the
-# same products, fp32 sums), by value page layout: transposed pages (``CacheQuant.value_t``) give the
-# fp8 MMA its K-major V straight from the pages (cp.async into the MMA's shared layout, sm_90 TTGIR);
-# over [block, token, head, dim] pages the fp8 MMA stages V transposed and was 1.4-2.6x slower in every
-# prefill on the H200 (1,047 vs 495 us at head 128, 4,096 tokens; benchmarks/HISTORY.md, 2026-12-06).
-PV_FP8 = {True: True, False: False}
+# same products, fp32 sums): fp16, since the fp8 one stages V transposed and was 1.4-2.6x slower in
+# every prefill on the H200 (head 128 / 256, 1k / 4k tokens: 1,047 vs 495 us at head 128, 4,096 tokens;
+# benchmarks/RESULTS.md, 2026-12-06) and no faster in decode. Pages holding V transposed (keys
+# contiguous, the K-major operand the fp8 MMA takes) were slower still in decode, prefill and the
+# store on the H200 (benchmarks/HISTORY.md, fifth 2026-12-06 session).
+PV_FP8 = False
 # Launch the query blocks last-first (a causal prefill's longest blocks first): 3-13% faster prefills
 # at 15 of 16 H200 probe points (reads x heads 128 / 256 x 1k / 4k tokens; bf16 head 128 x 1k 2.5%
 # slower; 2026-12-06); decode programs carry one token each.
 HEAVY_FIRST = True
-# Decode-only batches without split-KV over a fixed grid of this many programs a multiprocessor, each
-# walking several (sequence, KV head) items in one pipelined loop (``_decode_items_kernel``); 0: one
-# program an item.
-DECODE_ITEMS_PER_SM = 0
 # The quantized query's Q K^T as an fp16 MMA on the e4m3 values below this many rows a program
 # (decode tiles: mma.sync, where an fp8 operand is converted anyway, and its fp8 K tile spilled
 # at 128 keys); wgmma tiles (64+ rows) multiply the fp8 operands on fp8 tensor cores.
@@ -86,7 +83,6 @@ def _attend_tile(
     HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, PAGE: tl.constexpr, TILE_N: tl.constexpr,
     FP8: tl.constexpr, IEEE: tl.constexpr, MASKED: tl.constexpr,
     QUERY_FP8: tl.constexpr, P_SHIFT: tl.constexpr, PV_FP8: tl.constexpr, FP16_MMA: tl.constexpr,
-    V_T: tl.constexpr,
 ):
     """One tile of ``TILE_N`` keys: scores, online-softmax update (base 2), P @ V. ``MASKED``
     False: every key of the tile is in range and visible to every row (no masks, no -inf).
@@ -107,28 +103,9 @@ def _attend_tile(
     off = page.to(tl.int64) * stride_cb + (n % PAGE) * stride_cs + kv_head * stride_ch
     if HEAD_PAD == HEAD and not MASKED:
         k = tl.load(cache_ptr + off[:, None] + d[None, :])
-    else:
-        k = tl.load(cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-    if V_T:
-        # value pages transposed ([Hk, D, PAGE] a block): a tile's V^T [D, TILE_N], keys contiguous
-        # in runs of PAGE (the K-major operand an fp8 MMA takes for P @ V)
-        v_off = page.to(tl.int64) * stride_cb + kv_head * (HEAD * PAGE) + n % PAGE
-        v_ptr = cache_ptr + stride_ckv + v_off[None, :] + d[:, None] * PAGE
-        v_ptr = tl.max_contiguous(tl.multiple_of(v_ptr, [1, PAGE]), [1, PAGE])
-        if MASKED:
-            # whole pages in range (a mask constant over each page's PAGE contiguous keys keeps the
-            # load one cp.async per 16 bytes), then the keys past the end zeroed: their bytes are
-            # whatever the page holds (NaN included), and 0 x NaN would reach the output
-            page_ok = (n // PAGE) * PAGE < num_keys
-            v = tl.load(v_ptr, mask=(d < HEAD)[:, None] & page_ok[None, :], other=0.0)
-            v = tl.trans(tl.where(n_ok[None, :], v, 0.0))
-        elif HEAD_PAD == HEAD:
-            v = tl.trans(tl.load(v_ptr))
-        else:
-            v = tl.trans(tl.load(v_ptr, mask=(d < HEAD)[:, None], other=0.0))
-    elif HEAD_PAD == HEAD and not MASKED:
         v = tl.load(cache_ptr + stride_ckv + off[:, None] + d[None, :])
     else:
+        k = tl.load(cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(cache_ptr + stride_ckv + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
     if not QUERY_FP8 or FP16_MMA:
         k = k.to(q.dtype)
@@ -168,44 +145,6 @@ def _attend_tile(
     return m_new, l_i, acc
 
 
-@triton.jit
-def _load_query(
-    q_ptrs, q_mask, k_scale_ptr, v_scale_ptr, q_scale_ptr, inv_q_scale_ptr, qk_scale,
-    FP8: tl.constexpr, IEEE: tl.constexpr, QUERY_FP8: tl.constexpr, FP16_MMA: tl.constexpr,
-):
-    """A program's query rows as its products take them, the log2-domain score scale and the
-    output's V scale: (q, scale2, v_mul)."""
-    q = tl.load(q_ptrs, mask=q_mask, other=0.0)
-    if QUERY_FP8:
-        # vLLM's static query quantization (QuantFP8): e4m3(clamp(float32(q) * (1 / q_scale), -448, 448)),
-        # round to nearest even; the descales go into the log2-domain score scale as FlashAttention
-        # 3 folds them: (scale log2 e)(q_scale k_scale)
-        q = tl.minimum(tl.maximum(q.to(tl.float32) * tl.load(inv_q_scale_ptr), -448.0), 448.0).to(tl.float8e4nv)
-        if FP16_MMA:
-            q = q.to(tl.float16)  # exact: every e4m3 value is an fp16 value
-        v_mul = tl.load(v_scale_ptr)
-        scale2 = (qk_scale * 1.4426950408889634) * (tl.load(q_scale_ptr) * tl.load(k_scale_ptr))
-    elif FP8:
-        k_mul = qk_scale * tl.load(k_scale_ptr)
-        v_mul = tl.load(v_scale_ptr)
-        if not IEEE:
-            # fp8 pages convert to fp16 in one instruction per pair (to bf16 it takes several), and
-            # fp16 holds every fp8 value exactly. The query is brought into fp16 range by a power of
-            # two 2^(14 - e), e = floor(log2 max|q|), exact for bf16 values; the scores undo it.
-            qf = q.to(tl.float32)
-            q_max = tl.max(tl.max(tl.abs(qf), axis=1), axis=0)
-            e = ((q_max.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-            e = tl.minimum(tl.maximum(e, -100), 100)
-            q_mul = ((127 + 14 - e) << 23).to(tl.float32, bitcast=True)
-            q = (qf * q_mul).to(tl.float16)
-            k_mul = k_mul / q_mul
-        scale2 = k_mul * 1.4426950408889634  # scores to the log2 domain
-    else:
-        v_mul = 1.0
-        scale2 = qk_scale * 1.4426950408889634
-    return q, scale2, v_mul
-
-
 # Lengths and batch-dependent values are not specialized (Triton would compile a variant per
 # divisibility class of each, mid-serving); model-constant strides and sizes are.
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt", "num_splits", "stride_qt", "stride_ot"])
@@ -225,7 +164,7 @@ def _attention_kernel(
     FP8: tl.constexpr, IEEE: tl.constexpr,
     SPLIT: tl.constexpr, PDL: tl.constexpr, QUERY_FP8: tl.constexpr, P_SHIFT: tl.constexpr, PV_FP8: tl.constexpr,
     HEAVY_FIRST: tl.constexpr, FP16_MMA: tl.constexpr, DECODE: tl.constexpr, ORDERED: tl.constexpr,
-    HK: tl.constexpr, V_T: tl.constexpr,
+    HK: tl.constexpr,
 ):
     pdl.start(PDL)
     split = tl.program_id(2)
@@ -268,11 +207,35 @@ def _attention_kernel(
     d = tl.arange(0, HEAD_PAD)
     d_ok = d < HEAD
 
-    q, scale2, v_mul = _load_query(
+    q = tl.load(
         q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-        row_ok[:, None] & d_ok[None, :], k_scale_ptr, v_scale_ptr, q_scale_ptr, inv_q_scale_ptr, qk_scale,
-        FP8, IEEE, QUERY_FP8, FP16_MMA,
+        mask=row_ok[:, None] & d_ok[None, :], other=0.0,
     )
+    if QUERY_FP8:
+        # vLLM's static query quantization (QuantFP8): e4m3(clamp(float32(q) * (1 / q_scale), -448, 448)),
+        # round to nearest even; the descales go into the log2-domain score scale as FlashAttention
+        # 3 folds them: (scale log2 e)(q_scale k_scale)
+        q = tl.minimum(tl.maximum(q.to(tl.float32) * tl.load(inv_q_scale_ptr), -448.0), 448.0).to(tl.float8e4nv)
+        if FP16_MMA:
+            q = q.to(tl.float16)  # exact: every e4m3 value is an fp16 value
+        v_mul = tl.load(v_scale_ptr)
+    elif FP8:
+        k_mul = qk_scale * tl.load(k_scale_ptr)
+        v_mul = tl.load(v_scale_ptr)
+        if not IEEE:
+            # fp8 pages convert to fp16 in one instruction per pair (to bf16 it takes several), and
+            # fp16 holds every fp8 value exactly. The query is brought into fp16 range by a power of
+            # two 2^(14 - e), e = floor(log2 max|q|), exact for bf16 values; the scores undo it.
+            qf = q.to(tl.float32)
+            q_max = tl.max(tl.max(tl.abs(qf), axis=1), axis=0)
+            e = ((q_max.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+            e = tl.minimum(tl.maximum(e, -100), 100)
+            q_mul = ((127 + 14 - e) << 23).to(tl.float32, bitcast=True)
+            q = (qf * q_mul).to(tl.float16)
+            k_mul = k_mul / q_mul
+    else:
+        k_mul = qk_scale
+        v_mul = 1.0
 
     # Keys this block can see: its context plus its own chunk up to its last token.
     num_keys = context + tl.minimum(q_off + BLOCK_Q, q_len)
@@ -285,12 +248,16 @@ def _attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
     table = block_tables_ptr + seq * stride_bt
+    if QUERY_FP8:
+        scale2 = (qk_scale * 1.4426950408889634) * (tl.load(q_scale_ptr) * tl.load(k_scale_ptr))
+    else:
+        scale2 = k_mul * 1.4426950408889634  # scores to the log2 domain
     if SPLIT:  # (split-KV parts: one masked loop measured faster, benchmarks/HISTORY.md, attention A/B)
         for t in range(tile_lo, tile_hi):
             m_i, l_i, acc = _attend_tile(
                 t, m_i, l_i, acc, q, q_pos, num_keys, scale2, cache_ptr, table, kv_head,
                 stride_cb, stride_ckv, stride_cs, stride_ch,
-                HEAD, HEAD_PAD, PAGE, TILE_N, FP8, IEEE, True, QUERY_FP8, P_SHIFT, PV_FP8, FP16_MMA, V_T,
+                HEAD, HEAD_PAD, PAGE, TILE_N, FP8, IEEE, True, QUERY_FP8, P_SHIFT, PV_FP8, FP16_MMA,
             )
     else:
         # Tiles wholly before this block's first query token are visible to every row and in
@@ -300,13 +267,13 @@ def _attention_kernel(
             m_i, l_i, acc = _attend_tile(
                 t, m_i, l_i, acc, q, q_pos, num_keys, scale2, cache_ptr, table, kv_head,
                 stride_cb, stride_ckv, stride_cs, stride_ch,
-                HEAD, HEAD_PAD, PAGE, TILE_N, FP8, IEEE, False, QUERY_FP8, P_SHIFT, PV_FP8, FP16_MMA, V_T,
+                HEAD, HEAD_PAD, PAGE, TILE_N, FP8, IEEE, False, QUERY_FP8, P_SHIFT, PV_FP8, FP16_MMA,
             )
         for t in range(full_end, tile_hi):
             m_i, l_i, acc = _attend_tile(
                 t, m_i, l_i, acc, q, q_pos, num_keys, scale2, cache_ptr, table, kv_head,
                 stride_cb, stride_ckv, stride_cs, stride_ch,
-                HEAD, HEAD_PAD, PAGE, TILE_N, FP8, IEEE, True, QUERY_FP8, P_SHIFT, PV_FP8, FP16_MMA, V_T,
+                HEAD, HEAD_PAD, PAGE, TILE_N, FP8, IEEE, True, QUERY_FP8, P_SHIFT, PV_FP8, FP16_MMA,
             )
 
     out_row = q_start + tok
@@ -326,101 +293,6 @@ def _attention_kernel(
         tl.store(part_acc_ptr + part[:, None] * HEAD_PAD + d[None, :], acc * v_mul, mask=row_ok[:, None])
         tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
         tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
-
-
-@triton.jit(do_not_specialize=["num_items", "stride_bt", "stride_qt", "stride_ot"])
-def _decode_items_kernel(
-    out_ptr, q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, order_ptr,
-    k_scale_ptr, v_scale_ptr, q_scale_ptr, inv_q_scale_ptr, qk_scale,
-    num_items,
-    stride_qt, stride_qh,
-    stride_ot, stride_oh,
-    stride_cb, stride_ckv, stride_cs, stride_ch,
-    stride_bt,
-    G: tl.constexpr, BLOCK_M: tl.constexpr, HEAD: tl.constexpr, HEAD_PAD: tl.constexpr,
-    PAGE: tl.constexpr, TILE_N: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
-    QUERY_FP8: tl.constexpr, P_SHIFT: tl.constexpr, PV_FP8: tl.constexpr, FP16_MMA: tl.constexpr,
-    ORDERED: tl.constexpr, HK: tl.constexpr, V_T: tl.constexpr, MAX_ROUNDS: tl.constexpr,
-):
-    """Decode over a fixed grid of P programs (about as many as fit on the GPU at once): an item is
-    (sequence rank, KV head) as in the decode grid; program p takes items p, 2P - 1 - p, 2P + p, ...
-    (snake order over the ranks, longest first with ``order``) and walks all their key tiles in one
-    loop, so the page loads stay pipelined across items and no program waits on a short
-    sequence's start-up alone. An item's output is written after its last tile."""
-    pdl.start(PDL)
-    p = tl.program_id(0)
-    num_p = tl.num_programs(0)
-    # the loop's length: every item's tiles (at least one, so an empty sequence writes zeros)
-    r = tl.arange(0, MAX_ROUNDS)
-    items = r * num_p + tl.where(r % 2 == 0, p, num_p - 1 - p)
-    ok = items < num_items
-    if ORDERED:
-        seqs = tl.load(order_ptr + items // HK, mask=ok, other=0)
-    else:
-        seqs = items // HK
-    lens = tl.load(seq_lens_ptr + seqs, mask=ok, other=0)
-    total = tl.sum(tl.where(ok, tl.maximum(tl.cdiv(lens, TILE_N), 1), 0), axis=0)
-
-    rows = tl.arange(0, BLOCK_M)
-    row_ok = rows < G  # one token: rows are its G query heads
-    d = tl.arange(0, HEAD_PAD)
-    d_ok = d < HEAD
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
-    if QUERY_FP8:  # (the dtype _load_query gives)
-        if FP16_MMA:
-            q = tl.zeros([BLOCK_M, HEAD_PAD], tl.float16)
-        else:
-            q = tl.zeros([BLOCK_M, HEAD_PAD], tl.float8e4nv)
-    elif FP8 and not IEEE:
-        q = tl.zeros([BLOCK_M, HEAD_PAD], tl.float16)
-    else:
-        q = tl.zeros([BLOCK_M, HEAD_PAD], q_ptr.dtype.element_ty)
-    scale2 = qk_scale
-    v_mul = qk_scale
-    q_row = 0  # the item's query row
-    q_ok = row_ok
-    k = 0  # the item (round) being walked and its tile
-    t = 0
-    for _ in range(total):
-        # the round's item from the vectors loaded above (a load here would put a third dependent
-        # load before the pages', which the pipeliner does not prefetch)
-        this = r == k
-        seq = tl.sum(tl.where(this, seqs, 0), axis=0)
-        kv_head = tl.sum(tl.where(this, items, 0), axis=0) % HK
-        seq_len = tl.sum(tl.where(this, lens, 0), axis=0)
-        n_tiles = tl.maximum(tl.cdiv(seq_len, TILE_N), 1)
-        head = kv_head * G + rows
-        if t == 0:  # a new item: its query, fresh softmax state
-            q_row = tl.load(query_start_ptr + seq)
-            q_ok = rows < tl.where(tl.load(query_start_ptr + seq + 1) > q_row, G, 0)  # (no token: no rows)
-            q, scale2, v_mul = _load_query(
-                q_ptr + q_row * stride_qt + head[:, None] * stride_qh + d[None, :], q_ok[:, None] & d_ok[None, :],
-                k_scale_ptr, v_scale_ptr, q_scale_ptr, inv_q_scale_ptr, qk_scale, FP8, IEEE, QUERY_FP8, FP16_MMA,
-            )
-            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-            l_i = tl.zeros([BLOCK_M], tl.float32)
-            acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
-        q_pos = tl.zeros([BLOCK_M], tl.int32) + (seq_len - 1)
-        m_i, l_i, acc = _attend_tile(
-            t, m_i, l_i, acc, q, q_pos, seq_len, scale2, cache_ptr, block_tables_ptr + seq * stride_bt, kv_head,
-            stride_cb, stride_ckv, stride_cs, stride_ch,
-            HEAD, HEAD_PAD, PAGE, TILE_N, FP8, IEEE, True, QUERY_FP8, P_SHIFT, PV_FP8, FP16_MMA, V_T,
-        )
-        last = t == n_tiles - 1
-        if last:  # the item's last tile: its output
-            l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-            if QUERY_FP8:
-                o = acc * ((1.0 / l_safe) * v_mul)[:, None]
-            else:
-                o = acc / l_safe[:, None] * v_mul
-            tl.store(out_ptr + q_row * stride_ot + head[:, None] * stride_oh + d[None, :],
-                     o.to(out_ptr.dtype.element_ty), mask=q_ok[:, None] & d_ok[None, :])
-        # the next tile's item and index as plain arithmetic (values yielded by an ``if`` would keep
-        # the pipeliner from computing the next tile's addresses early)
-        k += last.to(tl.int32)
-        t = tl.where(last, 0, t + 1)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -506,12 +378,10 @@ def paged_attention(
     heavy_first: bool | None = None,
     fp16_mma: bool | None = None,
     order: torch.Tensor | None = None,
-    items_per_sm: int | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of every sequence's new tokens; see the module docstring.
 
-    query [T, Hq, D]; kv_cache [NB, 2, BS, Hk, D] (uint8 for fp8, with ``quant``; its V halves
-    [Hk, D, BS] with ``quant.value_t``); block_tables
+    query [T, Hq, D]; kv_cache [NB, 2, BS, Hk, D] (uint8 for fp8, with ``quant``); block_tables
     [B, M] int32; query_start_loc [B + 1] int32; seq_lens [B] int32. ``num_splits`` None picks
     split-KV automatically for decode-only batches; an int forces it. ``tiles`` overrides the
     (BLOCK_M, TILE_N, num_warps, num_stages[, maxnreg]) choice (for tuning); ``pv_fp8`` the
@@ -520,9 +390,7 @@ def paged_attention(
     rows a program); ``heavy_first`` the launch order of the query blocks (None: ``HEAVY_FIRST``).
     Decode-only batches (``max_query_len`` 1) run one program per (sequence, KV head), in the
     order of ``order`` [B] int32 where given (a permutation of the sequences, longest first:
-    ``layers.attention.decode_order``), else in batch order; without split-KV, over a fixed grid of
-    ``items_per_sm`` programs a multiprocessor that each walk several of those (sequence, KV head)
-    items (None: ``DECODE_ITEMS_PER_SM``; 0: one program an item). Returns ``out`` [T, Hq, D]."""
+    ``layers.attention.decode_order``), else in batch order. Returns ``out`` [T, Hq, D]."""
     num_tokens, num_heads, head = query.shape
     _, _, page, num_kv_heads, head_c = kv_cache.shape
     assert head_c == head and num_heads % num_kv_heads == 0, "query / cache shapes do not match"
@@ -571,27 +439,6 @@ def paged_attention(
     else:
         grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
     ordered = decode and order is not None
-    per_sm = DECODE_ITEMS_PER_SM if items_per_sm is None else items_per_sm
-    if decode and num_splits == 1 and per_sm > 0:
-        num_items = num_seqs * num_kv_heads
-        programs = min(num_items, per_sm * num_sms(query.device))
-        _decode_items_kernel[(programs,)](
-            out, query, cache, block_tables, seq_lens, query_start_loc, order if ordered else seq_lens,
-            k_scale_t, v_scale_t, q_scale_t, inv_q_scale_t, float(scale),
-            num_items,
-            query.stride(0), query.stride(1),
-            out.stride(0), out.stride(1),
-            cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
-            block_tables.stride(0),
-            G=group, BLOCK_M=block_m, HEAD=head, HEAD_PAD=head_pad, PAGE=page, TILE_N=tile_n, FP8=fp8,
-            IEEE=query.dtype == torch.float32, QUERY_FP8=query_fp8,
-            P_SHIFT=quant.p_shift if query_fp8 else 0,
-            PV_FP8=(PV_FP8[fp8 and quant.value_t] if pv_fp8 is None else pv_fp8) and not fp16_mma_on,
-            FP16_MMA=fp16_mma_on, ORDERED=ordered, HK=num_kv_heads, V_T=fp8 and quant.value_t,
-            MAX_ROUNDS=max(2, triton.next_power_of_2(triton.cdiv(num_items, programs))),
-            num_warps=num_warps, num_stages=num_stages, **launch_opts, **pdl.launch_options(query.device),
-        )
-        return out
     _attention_kernel[grid](
         out, part_acc, part_ml,
         query, cache, block_tables, seq_lens, query_start_loc, order if ordered else seq_lens,
@@ -606,9 +453,9 @@ def paged_attention(
         HEAD=head, HEAD_PAD=head_pad, PAGE=page, TILE_N=tile_n,
         FP8=fp8, IEEE=query.dtype == torch.float32,
         SPLIT=num_splits > 1, QUERY_FP8=query_fp8, P_SHIFT=quant.p_shift if query_fp8 else 0,
-        PV_FP8=(PV_FP8[fp8 and quant.value_t] if pv_fp8 is None else pv_fp8) and not fp16_mma_on,
+        PV_FP8=(PV_FP8 if pv_fp8 is None else pv_fp8) and not fp16_mma_on,
         HEAVY_FIRST=HEAVY_FIRST if heavy_first is None else heavy_first,
-        FP16_MMA=fp16_mma_on, DECODE=decode, ORDERED=ordered, HK=num_kv_heads, V_T=fp8 and quant.value_t,
+        FP16_MMA=fp16_mma_on, DECODE=decode, ORDERED=ordered, HK=num_kv_heads,
         num_warps=num_warps, num_stages=num_stages, **launch_opts, **pdl.launch_options(query.device),
     )
     if num_splits > 1:

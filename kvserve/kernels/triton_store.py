@@ -55,7 +55,7 @@ if triton is not None:
         stride_cb, stride_ckv, stride_cs, stride_ch, stride_cd,
         block_size,
         BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-        FP8_FORMAT: tl.constexpr, FP8_MAX: tl.constexpr, PDL: tl.constexpr, V_T: tl.constexpr,
+        FP8_FORMAT: tl.constexpr, FP8_MAX: tl.constexpr, PDL: tl.constexpr,
     ):
         """Program (i, j): tokens [i * BLOCK_T, (i + 1) * BLOCK_T), heads [j * BLOCK_H, (j + 1) * BLOCK_H), K and V."""
         pdl.start(PDL)
@@ -75,17 +75,13 @@ if triton is not None:
         v = tl.load(value_ptr + t3 * stride_vt + h3 * stride_vh + d3 * stride_vd, mask=mask)
         row = (blk * stride_cb + off * stride_cs)[:, None, None]
         row = cache_ptr + row + h3 * stride_ch + d3 * stride_cd
-        if V_T:  # value pages transposed: [Hk, D, block_size] a block
-            v_row = cache_ptr + stride_ckv + (blk * stride_cb + off)[:, None, None] + (h3 * head_size + d3) * block_size
-        else:
-            v_row = row + stride_ckv
         if FP8_FORMAT == 0:
             out_ty = cache_ptr.dtype.element_ty
             if k.dtype != out_ty:  # via fp32: one RNE rounding, as torch casts
                 k = k.to(tl.float32).to(out_ty)
                 v = v.to(tl.float32).to(out_ty)
             tl.store(row, k, mask=mask)
-            tl.store(v_row, v, mask=mask)
+            tl.store(row + stride_ckv, v, mask=mask)
         else:
             fp8_ty = tl.float8e4nv if FP8_FORMAT == 1 else tl.float8e5
             kq = tl.math.div_rn(k.to(tl.float32), tl.load(k_scale_ptr))  # true division, not x * (1/s)
@@ -94,7 +90,7 @@ if triton is not None:
             kq = tl.where(kq != kq, kq, tl.minimum(tl.maximum(kq, -FP8_MAX), FP8_MAX))
             vq = tl.where(vq != vq, vq, tl.minimum(tl.maximum(vq, -FP8_MAX), FP8_MAX))
             tl.store(row, kq.to(fp8_ty, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True), mask=mask)
-            tl.store(v_row, vq.to(fp8_ty, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True), mask=mask)
+            tl.store(row + stride_ckv, vq.to(fp8_ty, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True), mask=mask)
 
 
 @functools.lru_cache(maxsize=None)
@@ -186,6 +182,5 @@ def store_kv(
         *key.stride(), *value.stride(), *kv_cache.stride(),
         block_size,
         BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d, FP8_FORMAT=fp8_format, FP8_MAX=fp8_max,
-        V_T=quant is not None and quant.value_t,
         num_warps=warps, **pdl.launch_options(kv_cache.device),
     )

@@ -95,8 +95,7 @@ class Attention(nn.Module):
     ) -> None:
         """Attach this layer's pages and kernels; an fp8 cache (uint8 bytes) also fixes the
         store/read scales and, with ``query_fp8`` (triton kernels, e4m3 pages), the quantized-query
-        read with P scaled by 2^p_shift (``attention_backend.AttentionBackend``). fp8 pages hold V
-        transposed (``CacheQuant.value_t``: keys contiguous, so P @ V is an fp8 MMA straight from them)."""
+        read with P scaled by 2^p_shift (``attention_backend.AttentionBackend``)."""
         assert not query_fp8 or backend == "triton", "the quantized-query read runs in the triton kernels"
         self.kv_cache = kv_cache
         self.backend = backend
@@ -106,7 +105,7 @@ class Attention(nn.Module):
             self.cache_quant = reference.CacheQuant(
                 kv_dtype.fp8_dtype, kv_dtype.fp8_max, self.k_scale, self.v_scale, kv_cache.device,
                 query_fp8=query_fp8 and kv_dtype.fp8_dtype == torch.float8_e4m3fn, q_scale=self.q_scale,
-                p_shift=p_shift, value_t=True,
+                p_shift=p_shift,
             )
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
