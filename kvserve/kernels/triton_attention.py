@@ -419,7 +419,7 @@ def paged_attention(
     # the quantized query's products as fp16 MMAs (both of them: V is then fp16 for P @ V too)
     fp16_mma_on = query_fp8 and (block_m < FP16_MMA_BELOW_ROWS if fp16_mma is None else fp16_mma)
     if quant is None:
-        cache = kv_cache if kv_cache.dtype == query.dtype else kv_cache  # mixed float dtypes convert in-kernel
+        cache = kv_cache  # (a float cache of another dtype than the query converts in-kernel)
         k_scale_t = v_scale_t = q_scale_t = inv_q_scale_t = seq_lens  # unused placeholders (never read)
     else:
         # the pages' bytes as fp8 values: loads then feed the MMAs' shared memory directly (cp.async), where

