@@ -417,7 +417,7 @@ class Run:
 
             d = q.shape[-1]
             tile = _tile_config(max(qlens), q.shape[1] // pool.shape[3], 1 << (d - 1).bit_length(), q.is_cuda, True,
-                                num_splits > 1, q.dtype == torch.float32)[1]
+                                num_splits > 1, q.dtype == torch.float32, query_fp8=True)[1]
             return r.paged_attention_fp8_query(q, pool, bt, qlens, slens, scale, quant, tile, num_splits=num_splits)
         return r.paged_attention(q, pool, bt, qlens, slens, scale, quant=quant)
 

@@ -35,7 +35,7 @@ def _tile_n(b: Batch, num_splits: int) -> int:
     group = b.query.shape[1] // b.kv_cache.shape[3]
     head_pad = triton_attention.triton.next_power_of_2(b.query.shape[2])
     return triton_attention._tile_config(max(b.query_lens), group, head_pad, ON_GPU, True, num_splits > 1,
-                                         b.query.dtype == torch.float32)[1]
+                                         b.query.dtype == torch.float32, query_fp8=True)[1]
 
 
 def _check(b: Batch, quant: CacheQuant, num_splits: int = 1, pv_fp8: bool | None = None) -> dict:
