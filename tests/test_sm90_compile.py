@@ -1,7 +1,7 @@
 """The attention kernel compiles for the H100 / H200 (sm_90) without one: Triton's own compiler and
 bundled ptxas build the cubin ahead of time on this CPU machine. This covers what the interpreter
 cannot: that the quantized-query read of e4m3 pages (fp8 Q K^T and P V, V not K-major) lowers to
-Hopper code at all, for decode (the keys-major kernel: wgmma, fp8 Q K^T) and prefill (wgmma tiles, fp8
+Hopper code at all, for decode (mma.sync tiles; the swapped keys-major kernel: wgmma, fp8 Q K^T) and prefill (wgmma tiles, fp8
 operands: the fp8 tensor cores the path exists for), head 128 and 256, P V in fp8 and in fp16, and that the
 dequantizing read and bf16 pages still do.
 
@@ -30,6 +30,8 @@ VARIANTS = [
     ("prefill-h128-fp8q-pv16", 4096, 128, 4, True, True, False),
     ("prefill-h256-fp8-dequant", 4096, 256, 6, True, False, False),
     ("decode-h128-bf16", 1, 128, 4, False, False, False),
+    ("decode-h128-fp8q-keys-major", 1, 128, 4, True, True, False),  # the swapped decode kernel
+    ("decode-h256-fp8q-keys-major", 1, 256, 6, True, True, False),
 ]
 
 SCRIPT = r"""
@@ -45,8 +47,9 @@ POINTERS = {"out_ptr": "*bf16", "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32",
             "v_scale_ptr": "*fp32", "q_scale_ptr": "*fp32", "inv_q_scale_ptr": "*fp32"}
 out = {}
 for name, qlen, head, g, fp8, qfp8, pv_fp8 in json.loads(sys.argv[1]):
-    bm, tn, warps, stages, maxnreg = ta._tile_config(qlen, g, head, True, fp8, False, False, qfp8)
-    if qlen == 1 and qfp8 and ta.KEYS_MAJOR_DECODE:  # the swapped decode kernel paged_attention launches
+    keys_major = name.endswith("keys-major")
+    bm, tn, warps, stages, maxnreg = ta._tile_config(qlen, g, head, True, fp8, False, False, keys_major)
+    if keys_major:
         fn = ta._keys_major_decode_kernel
         const = dict(G=g, GP=bm, HEAD=head, HEAD_PAD=head, PAGE=16, TILE_N=tn, P_SHIFT=8, FP16_QK=False,
                      SPLIT=False, ORDERED=True, HK=8, PDL=False)
@@ -113,7 +116,7 @@ def test_attention_compiles_for_sm90(compiled, variant):
     got = compiled[name]
     assert "error" not in got, got.get("error")
     assert got["cubin_bytes"] > 10_000  # a real kernel's machine code, not an empty module
-    keys_major = qlen == 1 and variant[5]  # the quantized query's decode: its keys are the MMA's 64-row side
+    keys_major = name.endswith("keys-major")  # the swapped decode: its keys are the MMA's 64-row side
     assert got["wgmma"] == (qlen > 1 or keys_major), "64+ rows a tile use Hopper's wgmma, 16 rows mma.sync"
     assert got["async_copies"] > 0, "the page loads are not pipelined (cp.async into shared memory)"
 
@@ -129,8 +132,9 @@ def test_quantized_query_prefill_runs_on_fp8_tensor_cores(compiled):
 def test_quantized_query_decode_runs_on_fp8_tensor_cores(compiled):
     """With the products swapped (keys on the MMA's row side), the decode's Q K^T takes the K tile as
     stored: an fp8 wgmma, where the 16-row tiles converted K to fp16 for a mma.sync."""
-    assert compiled["decode-h128-fp8q"]["wgmma"] and compiled["decode-h128-fp8q"]["fp8_operands"]
-    assert compiled["decode-h256-fp8q-pv16"]["fp8_operands"]
+    assert compiled["decode-h128-fp8q-keys-major"]["fp8_operands"]
+    assert compiled["decode-h256-fp8q-keys-major"]["fp8_operands"]
+    assert not compiled["decode-h128-fp8q"]["fp8_operands"]
 
 
 def test_fp8_pages_reach_the_mma_by_async_copy(compiled):

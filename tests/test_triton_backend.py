@@ -70,7 +70,7 @@ def test_quantized_query_backend_gives_its_twins_tokens(make_tiny_model, one_thr
         quant = dataclasses.replace(quant, query_fp8=True, p_shift=0)
         group, head_pad = query.shape[1] // kv_cache.shape[3], triton.next_power_of_2(query.shape[2])
         tile = triton_attention._tile_config(max(query_lens), group, head_pad, False, True, False,
-                                             query.dtype == torch.float32, query_fp8=True)[1]
+                                             query.dtype == torch.float32, triton_attention.KEYS_MAJOR_DECODE)[1]
         return reference.paged_attention_fp8_query(query, kv_cache, block_tables, query_lens, seq_lens, scale, quant,
                                                    tile)
 

@@ -456,7 +456,7 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device
 
 def _tile_config(
     max_query_len: int, group: int, head_pad: int, is_cuda: bool, fp8: bool = False, split: bool = False,
-    ieee: bool = False, query_fp8: bool = False,
+    ieee: bool = False, keys_major: bool = False,
 ) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, TILE_N, num_warps, num_stages, maxnreg; 0 = no cap) for the batch shape (tuned on
     the H200 with probes now in git history, findings in benchmarks/HISTORY.md: decode
@@ -466,7 +466,7 @@ def _tile_config(
     decodes in the same tiles: its fp16 MMAs on the e4m3 values fit the cap with no spill (ptxas for
     sm_90, Triton 3.6, docs/GPU.md)."""
     g = triton.next_power_of_2(group)
-    if max_query_len == 1 and query_fp8 and KEYS_MAJOR_DECODE:
+    if max_query_len == 1 and keys_major:
         # BLOCK_M = the query heads, padded (the MMA's 16-wide side); TILE_N keys (its row side)
         return max(16, g), KEYS_MAJOR_TILE[0], 4, (KEYS_MAJOR_TILE[1] if is_cuda else 1), KEYS_MAJOR_TILE[2]
     if max_query_len == 1:
@@ -502,6 +502,7 @@ def paged_attention(
     heavy_first: bool | None = None,
     fp16_mma: bool | None = None,
     order: torch.Tensor | None = None,
+    keys_major: bool | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of every sequence's new tokens; see the module docstring.
 
@@ -514,7 +515,9 @@ def paged_attention(
     rows a program); ``heavy_first`` the launch order of the query blocks (None: ``HEAVY_FIRST``).
     Decode-only batches (``max_query_len`` 1) run one program per (sequence, KV head), in the
     order of ``order`` [B] int32 where given (a permutation of the sequences, longest first:
-    ``layers.attention.decode_order``), else in batch order. Returns ``out`` [T, Hq, D]."""
+    ``layers.attention.decode_order``), else in batch order. ``keys_major``: the quantized query's
+    decode in the swapped kernel (``_keys_major_decode_kernel``; None: ``KEYS_MAJOR_DECODE``), where
+    ``fp16_mma`` True makes its Q K^T an fp16 MMA. Returns ``out`` [T, Hq, D]."""
     num_tokens, num_heads, head = query.shape
     _, _, page, num_kv_heads, head_c = kv_cache.shape
     assert head_c == head and num_heads % num_kv_heads == 0, "query / cache shapes do not match"
@@ -531,11 +534,13 @@ def paged_attention(
     group = num_heads // num_kv_heads
     head_pad = triton.next_power_of_2(head)
     is_cuda = query.device.type == "cuda"
+    keys_major = max_query_len == 1 and quant is not None and quant.query_fp8 and (
+        KEYS_MAJOR_DECODE if keys_major is None else keys_major)
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, query.device) if max_query_len == 1 else 1
     block_m, tile_n, num_warps, num_stages, *maxnreg = tiles or _tile_config(
         max_query_len, group, head_pad, is_cuda, quant is not None, num_splits > 1, query.dtype == torch.float32,
-        quant is not None and quant.query_fp8,
+        keys_major,
     )
     launch_opts = {"maxnreg": maxnreg[0]} if is_cuda and maxnreg and maxnreg[0] else {}
     block_q = block_m // group  # G = 6 (head 256): 21 tokens, 126 of 128 rows busy (G padded to 8: 16 tokens, 96)
@@ -564,7 +569,7 @@ def paged_attention(
     else:
         grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
     ordered = decode and order is not None
-    if decode and query_fp8 and KEYS_MAJOR_DECODE:
+    if keys_major:
         _keys_major_decode_kernel[grid](
             out, part_acc, part_ml,
             query, cache, block_tables, seq_lens, query_start_loc, order if ordered else seq_lens,
