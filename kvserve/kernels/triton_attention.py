@@ -86,20 +86,40 @@ def _shifted(m, P_SHIFT: tl.constexpr):
 
 
 @triton.jit
-def _attend_tile(
-    t, m_i, l_i, acc, q, q_pos, num_keys, scale2, cache_ptr, table, kv_head,
-    stride_cb, stride_ckv, stride_cs, stride_ch,
-    HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, PAGE: tl.constexpr, TILE_N: tl.constexpr,
-    FP8: tl.constexpr, IEEE: tl.constexpr, MASKED: tl.constexpr,
-    QUERY_FP8: tl.constexpr, P_SHIFT: tl.constexpr, PV_FP8: tl.constexpr, FP16_MMA: tl.constexpr,
+def _decode_program(query_start_ptr, order_ptr, HK: tl.constexpr, ORDERED: tl.constexpr):
+    """A decode-only batch's program i: (sequence, KV head, its token's row, its token count) for
+    sequence rank i // HK and KV head i % HK, no search; with ORDERED the ranks index ``order``
+    (longest sequences first: the GPU starts programs in launch order, so the long ones start first
+    and the short ones fill in at the end)."""
+    rank = tl.program_id(0) // HK
+    kv_head = tl.program_id(0) % HK
+    if ORDERED:
+        seq = tl.load(order_ptr + rank)
+    else:
+        seq = rank
+    q_start = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    return seq, kv_head, q_start, q_len
+
+
+@triton.jit
+def _split_tiles(num_keys, split, num_splits, TILE_N: tl.constexpr):
+    """The key tiles [lo, hi) of split-KV part ``split`` of ``num_splits``: each part takes
+    ``cdiv(tiles, num_splits)`` consecutive tiles of ``TILE_N`` keys (the twin splits the same way)."""
+    num_tiles = tl.cdiv(num_keys, TILE_N)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    tile_lo = split * tiles_per_split
+    return tile_lo, tl.minimum(tile_lo + tiles_per_split, num_tiles)
+
+
+@triton.jit
+def _load_kv_tile(
+    t, num_keys, cache_ptr, table, kv_head, stride_cb, stride_ckv, stride_cs, stride_ch,
+    HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, PAGE: tl.constexpr, TILE_N: tl.constexpr, MASKED: tl.constexpr,
 ):
-    """One tile of ``TILE_N`` keys: scores, online-softmax update (base 2), P @ V. ``MASKED``
-    False: every key of the tile is in range and visible to every row (no masks, no -inf).
-    ``QUERY_FP8``: q is e4m3, K and V stay e4m3 (fp8 MMAs), P is scaled by 2^P_SHIFT and rounded to
-    e4m3 for P @ V, l summing P before that rounding (FlashAttention 3's order). ``PV_FP8`` False
-    runs P @ V on those values in fp16 (exact: e4m3 values and their products are exact in fp16 and
-    fp32), so V needs no transpose for an fp8 MMA (which takes V's keys contiguous); ``FP16_MMA``
-    runs Q K^T that way too (q arrives as fp16 copies of its e4m3 values)."""
+    """Key positions ``n`` [TILE_N] of tile ``t`` and its K and V [TILE_N, HEAD_PAD] from the pages
+    (each token's page from the block table ``table``). ``MASKED``: keys at or past ``num_keys`` read
+    as 0; else every key is in range and only padded head columns are masked."""
     n = t * TILE_N + tl.arange(0, TILE_N)
     d = tl.arange(0, HEAD_PAD)
     if MASKED:
@@ -116,6 +136,28 @@ def _attend_tile(
     else:
         k = tl.load(cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(cache_ptr + stride_ckv + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    return n, k, v
+
+
+@triton.jit
+def _attend_tile(
+    t, m_i, l_i, acc, q, q_pos, num_keys, scale2, cache_ptr, table, kv_head,
+    stride_cb, stride_ckv, stride_cs, stride_ch,
+    HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, PAGE: tl.constexpr, TILE_N: tl.constexpr,
+    FP8: tl.constexpr, IEEE: tl.constexpr, MASKED: tl.constexpr,
+    QUERY_FP8: tl.constexpr, P_SHIFT: tl.constexpr, PV_FP8: tl.constexpr, FP16_MMA: tl.constexpr,
+):
+    """One tile of ``TILE_N`` keys: scores, online-softmax update (base 2), P @ V. ``MASKED``
+    False: every key of the tile is in range and visible to every row (no masks, no -inf).
+    ``QUERY_FP8``: q is e4m3, K and V stay e4m3 (fp8 MMAs), P is scaled by 2^P_SHIFT and rounded to
+    e4m3 for P @ V, l summing P before that rounding (FlashAttention 3's order). ``PV_FP8`` False
+    runs P @ V on those values in fp16 (exact: e4m3 values and their products are exact in fp16 and
+    fp32), so V needs no transpose for an fp8 MMA (which takes V's keys contiguous); ``FP16_MMA``
+    runs Q K^T that way too (q arrives as fp16 copies of its e4m3 values)."""
+    n, k, v = _load_kv_tile(t, num_keys, cache_ptr, table, kv_head, stride_cb, stride_ckv, stride_cs, stride_ch,
+                            HEAD, HEAD_PAD, PAGE, TILE_N, MASKED)
+    if MASKED:
+        n_ok = n < num_keys
     if not QUERY_FP8 or FP16_MMA:
         k = k.to(q.dtype)
         v = v.to(q.dtype)
@@ -178,17 +220,7 @@ def _attention_kernel(
     pdl.start(PDL)
     split = tl.program_id(2)
     if DECODE:
-        # one token a sequence: program i is (sequence rank i // HK, KV head i % HK), no search;
-        # with ORDERED the ranks index ``order`` (longest sequences first: the GPU starts programs
-        # in launch order, so the long ones start first and the short ones fill in at the end)
-        rank = tl.program_id(0) // HK
-        kv_head = tl.program_id(0) % HK
-        if ORDERED:
-            seq = tl.load(order_ptr + rank)
-        else:
-            seq = rank
-        q_start = tl.load(query_start_ptr + seq)
-        q_len = tl.load(query_start_ptr + seq + 1) - q_start
+        seq, kv_head, q_start, q_len = _decode_program(query_start_ptr, order_ptr, HK, ORDERED)
         q_off = 0
     else:
         # the GPU starts programs in launch order: HEAVY_FIRST launches the longest causal blocks
@@ -248,10 +280,7 @@ def _attention_kernel(
 
     # Keys this block can see: its context plus its own chunk up to its last token.
     num_keys = context + tl.minimum(q_off + BLOCK_Q, q_len)
-    num_tiles = tl.cdiv(num_keys, TILE_N)
-    tiles_per_split = tl.cdiv(num_tiles, num_splits)
-    tile_lo = split * tiles_per_split
-    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+    tile_lo, tile_hi = _split_tiles(num_keys, split, num_splits, TILE_N)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -314,22 +343,10 @@ def _keys_major_tile(
     """One tile of ``TILE_N`` keys for the swapped decode: s^T [TILE_N, GP] = K Q^T (fp8 operands),
     the online softmax along the keys (axis 0), acc^T [HEAD_PAD, GP] += V^T e4m3(P^T) in fp16. The
     same math as ``_attend_tile``'s quantized-query read, transposed."""
-    n = t * TILE_N + tl.arange(0, TILE_N)
-    d = tl.arange(0, HEAD_PAD)
+    n, k, v = _load_kv_tile(t, seq_len, cache_ptr, table, kv_head, stride_cb, stride_ckv, stride_cs, stride_ch,
+                            HEAD, HEAD_PAD, PAGE, TILE_N, MASKED)
     if MASKED:
         n_ok = n < seq_len
-        page = tl.load(table + n // PAGE, mask=n_ok, other=0)
-        kv_mask = n_ok[:, None] & (d < HEAD)[None, :]
-    else:
-        page = tl.load(table + n // PAGE)
-        kv_mask = (n >= 0)[:, None] & (d < HEAD)[None, :]  # only the padded head columns
-    off = page.to(tl.int64) * stride_cb + (n % PAGE) * stride_cs + kv_head * stride_ch
-    if HEAD_PAD == HEAD and not MASKED:
-        k = tl.load(cache_ptr + off[:, None] + d[None, :])
-        v = tl.load(cache_ptr + stride_ckv + off[:, None] + d[None, :])
-    else:
-        k = tl.load(cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(cache_ptr + stride_ckv + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
     if FP16_QK:  # exact products, fp32 sums (the fp8 wgmma's fast accumulation keeps fewer bits)
         s = tl.dot(k.to(tl.float16), q_t.to(tl.float16))
     else:
@@ -365,15 +382,8 @@ def _keys_major_decode_kernel(
     """The quantized query's decode (one token a sequence), products swapped; program i is (sequence
     rank i // HK, KV head i % HK), split-KV part ``program_id(2)``; partials as ``_attention_kernel``'s."""
     pdl.start(PDL)
-    rank = tl.program_id(0) // HK
-    kv_head = tl.program_id(0) % HK
+    seq, kv_head, q_start, q_len = _decode_program(query_start_ptr, order_ptr, HK, ORDERED)
     split = tl.program_id(2)
-    if ORDERED:
-        seq = tl.load(order_ptr + rank)
-    else:
-        seq = rank
-    q_start = tl.load(query_start_ptr + seq)
-    q_len = tl.load(query_start_ptr + seq + 1) - q_start
     seq_len = tl.where(q_len > 0, tl.load(seq_lens_ptr + seq), 0)  # a sequence without a token reads nothing
     g = tl.arange(0, GP)
     head = kv_head * G + g
@@ -386,10 +396,7 @@ def _keys_major_decode_kernel(
     q = tl.minimum(tl.maximum(q.to(tl.float32) * tl.load(inv_q_scale_ptr), -448.0), 448.0).to(tl.float8e4nv)
     q_t = tl.trans(q)  # [HEAD_PAD, GP]
     scale2 = (qk_scale * 1.4426950408889634) * (tl.load(q_scale_ptr) * tl.load(k_scale_ptr))
-    num_tiles = tl.cdiv(seq_len, TILE_N)
-    tiles_per_split = tl.cdiv(num_tiles, num_splits)
-    tile_lo = split * tiles_per_split
-    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+    tile_lo, tile_hi = _split_tiles(seq_len, split, num_splits, TILE_N)
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([HEAD_PAD, GP], tl.float32)
