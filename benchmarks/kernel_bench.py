@@ -413,11 +413,9 @@ class Run:
         kernel's key tile and split-KV parts (``num_splits``)."""
         r = self.impl.reference
         if quant is not None and quant.query_fp8:
-            from kvserve.kernels.triton_attention import KEYS_MAJOR_DECODE, _tile_config
+            from kvserve.kernels.triton_attention import fp8_query_key_tile
 
-            d = q.shape[-1]
-            tile = _tile_config(max(qlens), q.shape[1] // pool.shape[3], 1 << (d - 1).bit_length(), q.is_cuda, True,
-                                num_splits > 1, q.dtype == torch.float32, keys_major=KEYS_MAJOR_DECODE)[1]
+            tile = fp8_query_key_tile(q, pool, max(qlens), q.is_cuda, num_splits > 1)
             return r.paged_attention_fp8_query(q, pool, bt, qlens, slens, scale, quant, tile, num_splits=num_splits)
         return r.paged_attention(q, pool, bt, qlens, slens, scale, quant=quant)
 

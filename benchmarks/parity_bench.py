@@ -95,13 +95,9 @@ def patch_twin(shift: int) -> None:
             return forward(self, q, k, v, meta)
         quant = dataclasses.replace(self.cache_quant, query_fp8=True, q_scale=self.q_scale, p_shift=shift)
         reference.store_kv(k, v, self.kv_cache, meta.slot_mapping, self.cache_quant)
-        import torch
+        from kvserve.kernels.triton_attention import fp8_query_key_tile
 
-        from kvserve.kernels.triton_attention import KEYS_MAJOR_DECODE, _tile_config, triton
-
-        group, head_pad = q.shape[1] // self.kv_cache.shape[3], triton.next_power_of_2(q.shape[2])
-        tile = _tile_config(max(meta.query_lens), group, head_pad, True, True, False, q.dtype == torch.float32,
-                            keys_major=KEYS_MAJOR_DECODE)[1]  # the kernel's key tile on the GPU (P is rounded per tile)
+        tile = fp8_query_key_tile(q, self.kv_cache, max(meta.query_lens), True)  # the kernel's, on the GPU
         return reference.paged_attention_fp8_query(q, self.kv_cache, meta.block_tables, meta.query_lens,
                                                    meta.seq_lens, self.scale, quant, tile).flatten(1)
 

@@ -32,10 +32,8 @@ def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 def _tile_n(b: Batch, num_splits: int, keys_major: bool) -> int:
     """The kernel's key tile for this batch (the twin's P rounding follows it)."""
-    group = b.query.shape[1] // b.kv_cache.shape[3]
-    head_pad = triton_attention.triton.next_power_of_2(b.query.shape[2])
-    return triton_attention._tile_config(max(b.query_lens), group, head_pad, ON_GPU, True, num_splits > 1,
-                                         b.query.dtype == torch.float32, keys_major)[1]
+    return triton_attention.fp8_query_key_tile(b.query, b.kv_cache, max(b.query_lens), ON_GPU, num_splits > 1,
+                                               keys_major)
 
 
 def _check(b: Batch, quant: CacheQuant, num_splits: int = 1, pv_fp8: bool | None = None,

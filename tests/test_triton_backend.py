@@ -8,7 +8,6 @@ import dataclasses
 
 import pytest
 import torch
-import triton
 
 from kvserve import LLM, SamplingParams
 from kvserve.config import EngineArgs, cudagraph_capture_sizes
@@ -68,9 +67,7 @@ def test_quantized_query_backend_gives_its_twins_tokens(make_tiny_model, one_thr
 
     def twin(query, kv_cache, block_tables, query_lens, seq_lens, scale, plan=None, quant=None):
         quant = dataclasses.replace(quant, query_fp8=True, p_shift=0)
-        group, head_pad = query.shape[1] // kv_cache.shape[3], triton.next_power_of_2(query.shape[2])
-        tile = triton_attention._tile_config(max(query_lens), group, head_pad, False, True, False,
-                                             query.dtype == torch.float32, triton_attention.KEYS_MAJOR_DECODE)[1]
+        tile = triton_attention.fp8_query_key_tile(query, kv_cache, max(query_lens), False)
         return reference.paged_attention_fp8_query(query, kv_cache, block_tables, query_lens, seq_lens, scale, quant,
                                                    tile)
 

@@ -494,6 +494,19 @@ def _tile_config(
     return block_m, tile_n, (4 if block_m <= 64 else 8), (2 if is_cuda else 1), 0
 
 
+def fp8_query_key_tile(
+    query: torch.Tensor, kv_cache: torch.Tensor, max_query_len: int, is_cuda: bool, split: bool = False,
+    keys_major: bool | None = None,
+) -> int:
+    """The key tile of the quantized-query read for this batch shape, as ``paged_attention`` picks it
+    on a CUDA device (``is_cuda``) or off one: the twin (``reference.paged_attention_fp8_query``)
+    rounds P per tile, so it takes this tile. ``keys_major`` None: ``KEYS_MAJOR_DECODE``."""
+    group, head_pad = query.shape[1] // kv_cache.shape[3], triton.next_power_of_2(query.shape[2])
+    keys_major = KEYS_MAJOR_DECODE if keys_major is None else keys_major
+    return _tile_config(max_query_len, group, head_pad, is_cuda, True, split, query.dtype == torch.float32,
+                        max_query_len == 1 and keys_major)[1]
+
+
 def paged_attention(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
