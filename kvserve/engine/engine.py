@@ -86,6 +86,7 @@ class Engine:
         self._sync_ids: set[str] = set()  # live requests whose sampling needs host state (see _needs_sync)
         self.runner.host_state_requests = self._sync_ids
         self.vocab_size = config.model_config.vocab_size
+        self._max_model_len = config.model_config.max_model_len
         if self.tokenizer is not None:
             self.vocab_size = max(self.vocab_size, len(self.tokenizer))
 
@@ -196,14 +197,14 @@ class Engine:
     # ---- stepping -------------------------------------------------------------------------
     def _check_stop(self, req: Request) -> tuple[RequestStatus | None, int | None]:
         """vLLM's order: min_tokens, EOS, stop token ids, then the length caps."""
-        params, last = req.sampling_params, req.output_token_ids[-1]
-        max_len = self.config.model_config.max_model_len
-        if req.num_output_tokens >= params.min_tokens:
+        params, out = req.sampling_params, req.output_token_ids
+        last, num_out = out[-1], len(out)
+        if num_out >= params.min_tokens:
             if params.eos_token_id is not None and last == params.eos_token_id:
                 return RequestStatus.FINISHED_STOPPED, None
             if last in params.stop_token_ids:  # type: ignore[operator]
                 return RequestStatus.FINISHED_STOPPED, last
-        if req.num_tokens >= max_len or req.num_output_tokens >= (params.max_tokens or 0):
+        if len(req.all_token_ids) >= self._max_model_len or num_out >= (params.max_tokens or 0):
             return RequestStatus.FINISHED_LENGTH_CAPPED, None
         return None, None
 

@@ -176,14 +176,16 @@ class KVCacheManager:
             # a running request (a decode, or the next prefill chunk): the common case, kept short
             total = request.num_computed_tokens + num_new_tokens
             num_needed = -(-total // bs) - len(blocks)
-            if num_needed > self.pool.num_free_blocks:
-                return False
-            if num_needed > 0:
+            if num_needed > 0:  # a decode needs a block every block_size steps
+                if num_needed > self.pool.num_free_blocks:
+                    return False
                 new = self.pool.get_new_blocks(num_needed)
                 blocks.extend(new)
                 self._block_ids[rid].extend(b.block_id for b in new)
-            if self.enable_caching and min(total, request.num_tokens) // bs > self._num_cached_blocks.get(rid, 0):
-                self._cache_full_blocks(request, blocks, min(total, request.num_tokens))
+            if self.enable_caching:
+                full = min(total, len(request.all_token_ids))
+                if full // bs > self._num_cached_blocks.get(rid, 0):
+                    self._cache_full_blocks(request, blocks, full)
             return True
         new_computed_blocks = new_computed_blocks or []
         blocks = blocks if blocks is not None else []

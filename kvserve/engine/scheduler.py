@@ -11,7 +11,7 @@ from kvserve.engine.kv_cache import KVCacheManager
 from kvserve.engine.request import Request, RequestStatus
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     request: Request
     num_computed_tokens: int  # tokens already in the KV cache before this step
@@ -82,16 +82,17 @@ class Scheduler:
         hybrid_caching = self.kv.snapshots is not None  # steps end on state-snapshot positions
 
         # 1. Running requests, in order; the last one is preempted when blocks run out.
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            num_new = min(req.num_tokens + req.num_pending - req.num_computed_tokens, budget)
-            if num_new <= 0 or (req.num_pending and len(req.all_token_ids) + req.num_pending >= req.max_total_tokens):
+        i, running, allocate = 0, self.running, self.kv.allocate_slots
+        while i < len(running) and budget > 0:
+            req = running[i]
+            known, pending = len(req.all_token_ids), req.num_pending
+            num_new = min(known + pending - req.num_computed_tokens, budget)
+            if num_new <= 0 or (pending and known + pending >= req.max_total_tokens):
                 i += 1
                 continue
             if hybrid_caching and num_new > 1:
                 num_new = self.kv.align_prefill(req, req.num_computed_tokens, num_new)
-            while not self.kv.allocate_slots(req, num_new):
+            while not allocate(req, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -127,11 +128,12 @@ class Scheduler:
                 plan.append((req, num_hit_tokens, num_new, self.kv.snapshot_to_restore(req, num_hit_tokens), junction))
                 budget -= num_new
 
+        block_ids_view, scheduled = self.kv.block_ids_view, out.scheduled
         for req, num_computed, num_new, restore, junction in plan:
             end = num_computed + num_new
-            samples = end == req.num_tokens + req.num_pending
-            out.scheduled.append(ScheduledRequest(
-                req, num_computed, num_new, self.kv.block_ids_view(req.request_id), samples,
+            samples = end == len(req.all_token_ids) + req.num_pending
+            scheduled.append(ScheduledRequest(
+                req, num_computed, num_new, block_ids_view(req.request_id), samples,
                 restore, self.kv.snapshot_to_save(req, end, junction) if hybrid_caching else None,
             ))
             req.num_computed_tokens = end

@@ -203,6 +203,7 @@ class ModelRunner:
         # one fused Triton kernel for temperature-only batches on CUDA (torch's ops elsewhere)
         self.sampler = Sampler(fused=self.device.type == "cuda")
         self.generators: dict[str, torch.Generator] = {}
+        self._rows: dict[str, SamplingRow] = {}  # each live request's sampling row (see _sampling_rows)
         # async scheduling: the last step's sampled tokens stay on the device; a decode row whose
         # input is one of them (its position is past the known tokens) gathers it from here
         self._prev_tokens: torch.Tensor | None = None
@@ -244,6 +245,7 @@ class ModelRunner:
 
     def remove_request(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
+        self._rows.pop(request_id, None)
         if self.block_table is not None:
             self.block_table.remove(request_id)
         if self.state_pool is not None:
@@ -427,14 +429,18 @@ class ModelRunner:
         return hidden[to_device(logits_idx, torch.long, self.device)]
 
     def _sampling_rows(self, sampling: list) -> list[SamplingRow]:
-        rows = []
+        """Each sampling request's row, made once per request and kept (only its output count
+        changes from step to step): a batch of 256 decodes would build 256 rows every step."""
+        rows, cache = [], self._rows
         for s in sampling:
             req = s.request
-            params = req.sampling_params
-            gen = None if params.seed is None else self._generator(req.request_id, params.seed)
-            rows.append(SamplingRow(
-                params, gen, req.num_output_tokens + req.num_pending, req.prompt_token_ids, req.output_token_ids
-            ))
+            row = cache.get(req.request_id)
+            if row is None or row.output_token_ids is not req.output_token_ids:  # new (or a reused id)
+                params = req.sampling_params
+                gen = None if params.seed is None else self._generator(req.request_id, params.seed)
+                row = cache[req.request_id] = SamplingRow(params, gen, 0, req.prompt_token_ids, req.output_token_ids)
+            row.num_output_tokens = len(req.output_token_ids) + req.num_pending
+            rows.append(row)
         return rows
 
     def _forward(

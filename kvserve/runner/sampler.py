@@ -25,13 +25,16 @@ class SamplingRow:
     prompt_token_ids: list[int] | None = None
     output_token_ids: list[int] | None = None
 
-    @property
-    def has_penalties(self) -> bool:
+    def __post_init__(self) -> None:
         p = self.params
-        return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
+        self.has_penalties = p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
+        # what the fused kernel does (greedy or plain temperature), min_tokens aside (it changes per step)
+        self.fused_ok = (
+            p.logprobs is None and p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0.0 and not self.has_penalties
+        )
 
 
-@dataclass
+@dataclass(slots=True)
 class SampleResult:
     token_id: int
     # [sampled, top-1, ..., top-N] ids and their raw log-probabilities, None when not requested
@@ -197,16 +200,11 @@ class Sampler:
 
         vocab = logits.shape[-1]
         step_key = int(torch.randint(0, 2**31 - 1, (1,)).item())
-        temps, keys, counters = [], [], []
+        temps = [0.0 if r.params.greedy else r.params.temperature for r in rows]
+        keys, counters = [step_key] * len(rows), list(range(0, len(rows) * vocab, vocab))
         for i, r in enumerate(rows):
-            p = r.params
-            temps.append(0.0 if p.greedy else p.temperature)
-            if p.seed is None:
-                keys.append(step_key)
-                counters.append(i * vocab)
-            else:
-                keys.append(seeded_key(p.seed, r.num_output_tokens))
-                counters.append(0)
+            if r.params.seed is not None:
+                keys[i], counters[i] = seeded_key(r.params.seed, r.num_output_tokens), 0
         dev = logits.device
         keys_t, counters_t = rows_to_device((keys, counters), torch.int32, dev)
         return gumbel_argmax(logits, to_device(temps, torch.float32, dev), keys_t, counters_t)
@@ -214,8 +212,4 @@ class Sampler:
 
 def _temperature_only(r: SamplingRow) -> bool:
     """Greedy or plain temperature sampling: nothing that the fused kernel does not do."""
-    p = r.params
-    return (
-        p.logprobs is None and p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0.0 and not r.has_penalties
-        and not (r.num_output_tokens < p.min_tokens and p.all_stop_token_ids)
-    )
+    return r.fused_ok and not (r.num_output_tokens < r.params.min_tokens and r.params.all_stop_token_ids)

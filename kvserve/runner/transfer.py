@@ -13,14 +13,17 @@ import numpy as np
 import torch
 
 
+_NUMPY_DTYPE = {torch.int32: np.int32, torch.int64: np.int64, torch.float32: np.float32, torch.bool: np.bool_}
+
+
 def to_device(data: Sequence | np.ndarray | torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``data`` as a ``dtype`` tensor on ``device``; from pinned memory when the device is CUDA."""
     if isinstance(data, torch.Tensor):
         host = data.to(dtype)
     elif isinstance(data, np.ndarray):
         host = torch.from_numpy(data).to(dtype)
-    else:
-        host = torch.tensor(data, dtype=dtype)
+    else:  # via numpy: a third of torch.tensor's time for a list of Python numbers
+        host = torch.from_numpy(np.array(data, dtype=_NUMPY_DTYPE[dtype]))
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
@@ -30,7 +33,7 @@ def rows_to_device(rows: Sequence[Sequence[int]], dtype: torch.dtype, device: to
     """Several int lists in one copy; returns one contiguous device view per list, each starting
     16-byte aligned (Triton specializes kernels on pointer alignment: a view whose alignment
     followed the batch size would compile a second variant of a kernel mid-serving)."""
-    per = max(1, 16 // torch.empty((), dtype=dtype).element_size())
+    per = max(1, 16 // dtype.itemsize)
     flat: list[int] = []
     starts: list[int] = []
     for r in rows:
