@@ -352,9 +352,9 @@ def run_peer(folder: Path, requests: list[tp.BenchRequest], *, device: str, temp
 # ----------------------------------------------------------------------------------------------
 
 
-def _time_calls(obj: Any, name: str, bucket: dict[str, list[float]], sync: bool) -> None:
+def _time_calls(obj: Any, name: str, bucket: dict[str, list[float]], sync: bool, key: str | None = None) -> None:
     """Wrap ``obj.name`` (an instance attribute shadowing the class's) to append each call's
-    seconds to ``bucket[name]``; ``sync`` brackets it with CUDA synchronisations."""
+    seconds to ``bucket[key or name]``; ``sync`` brackets it with CUDA synchronisations."""
     import torch
 
     real = getattr(obj, name)
@@ -367,7 +367,7 @@ def _time_calls(obj: Any, name: str, bucket: dict[str, list[float]], sync: bool)
         out = real(*a, **k)
         if sync:
             torch.cuda.synchronize()
-        bucket.setdefault(name, []).append(time.perf_counter() - t0)
+        bucket.setdefault(key or name, []).append(time.perf_counter() - t0)
         return out
 
     setattr(obj, name, wrapper)
@@ -453,10 +453,12 @@ def profile_decode_step(engine_kwargs: dict[str, Any], requests: list[tp.BenchRe
 
     # 2. host time of each part, no synchronisation added (what the CPU spends per step)
     host: dict[str, list[float]] = {}
-    patched = ((eng.scheduler, "schedule"), (runner, "prepare"),
-               (runner, "execute_async" if eng.async_scheduling else "execute"), (eng, "_process"))
-    for obj, name in patched:
-        _time_calls(obj, name, host, False)
+    # the core's token bookkeeping and stop rules (core._process), then the outputs (Engine._process)
+    patched = ((eng.scheduler, "schedule", None), (runner, "prepare", None),
+               (runner, "execute_async" if eng.async_scheduling else "execute", None),
+               (eng.core, "_process", "core._process"), (eng, "_process", "outputs"))
+    for obj, name, key in patched:
+        _time_calls(obj, name, host, False, key)
     real_results = mr.PendingSamples.results
 
     def results(self: Any) -> Any:
@@ -471,7 +473,7 @@ def profile_decode_step(engine_kwargs: dict[str, Any], requests: list[tp.BenchRe
             eng.step()
     finally:
         mr.PendingSamples.results = real_results
-        for obj, name in patched:
+        for obj, name, _ in patched:
             obj.__dict__.pop(name, None)
     res["host_parts"] = _medians_ms(host)
     _print_medians("  host time per step (no added sync):", res["host_parts"])

@@ -126,7 +126,7 @@ def test_requests_that_need_host_state_run_synchronously(tiny, one_thread):
         for o in eng.step():
             got[o.request_id] = o
         if "lp" in eng.states or "pen" in eng.states:
-            assert eng._pending is None  # nothing left in flight while such a request lives
+            assert eng.core._pending is None  # nothing left in flight while such a request lives
     while sync_eng.has_unfinished_requests():
         for o in sync_eng.step():
             want[o.request_id] = o
@@ -139,12 +139,12 @@ def test_async_keeps_one_step_in_flight(tiny, one_thread):
     eng = _engine(tiny, True)
     eng.add_request("a", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(temperature=0.0, max_tokens=3))
     assert eng.step() == []  # the prefill was launched; its token is processed by the next call
-    assert eng._pending is not None and eng.scheduler.requests["a"].num_pending == 1
+    assert eng.core._pending is not None and eng.scheduler.requests["a"].num_pending == 1
     outs = []
     while eng.has_unfinished_requests():
         outs += eng.step()
     assert [len(o.outputs[0].token_ids) for o in outs] == [1, 2, 3] and outs[-1].finished
-    assert eng._pending is None
+    assert eng.core._pending is None
 
 
 def test_async_scheduling_resolution(tiny):

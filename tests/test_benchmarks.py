@@ -145,7 +145,7 @@ def test_e2e_profile_smoke_splits_a_decode_step(tmp_path):
     for kv in ("bfloat16", "fp8"):
         prof = doc["profile"]["tiny-qwen3"][kv]
         assert prof["batch"] == 4 and prof["plain_step_ms_median"] > 0 and prof["serial_step_ms_median"] > 0
-        assert {"schedule", "prepare", "_process"} <= prof["host_parts"].keys()
+        assert {"schedule", "prepare", "core._process", "outputs"} <= prof["host_parts"].keys()
         step, *funcs = prof["host_functions"]
         assert step["function"] == "engine.py(Engine.step)" and len(funcs) == 25
         assert all(0 <= f["own_ms_per_step"] <= step["cumulative_ms_per_step"] for f in funcs)

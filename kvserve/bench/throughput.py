@@ -294,7 +294,7 @@ def engine_info(engine: Any) -> dict[str, Any]:
 
 class _StepObserver:
     """Wraps ``engine.scheduler.schedule`` to note, per step, whether the step is decode-only, its
-    batch size and the context tokens its attention reads, and ``engine._process`` to note which
+    batch size and the context tokens its attention reads, and ``engine.core._process`` to note which
     requests received a token during the ``Engine.step`` call (with async scheduling, the tokens
     of the step launched one call earlier)."""
 
@@ -302,7 +302,7 @@ class _StepObserver:
         self.engine = engine
         self.scheduler = engine.scheduler
         self.orig = self.scheduler.schedule
-        self.orig_process = engine._process
+        self.orig_process = engine.core._process
         self.samplers: list[str] = []  # requests that received a token in this call
         self.decode = False
         self.batch = 0
@@ -325,12 +325,12 @@ class _StepObserver:
             return self.orig_process(scheduled, results, prompt_logprobs)
 
         self.scheduler.schedule = schedule
-        self.engine._process = process
+        self.engine.core._process = process
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.scheduler.__dict__.pop("schedule", None)  # back to the class methods
-        self.engine.__dict__.pop("_process", None)
+        self.engine.core.__dict__.pop("_process", None)
 
 
 _RUN_COUNTER = [0]

@@ -1,5 +1,6 @@
-"""Engine: validates and queues requests, runs scheduler -> runner steps, applies stop rules and
-produces outputs. It owns the scheduler, the KV manager, the model runner and the output states."""
+"""Engine: the in-process engine (vLLM v1's LLMEngine with its in-process core client): validates
+and tokenizes requests, hands them to the ``EngineCore`` (scheduler, KV manager, runner) and turns
+each core step into ``RequestOutput``s with the ``OutputProcessor`` (text, stop strings, n > 1)."""
 
 from __future__ import annotations
 
@@ -8,18 +9,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvserve.config import EngineArgs, EngineConfig
-from kvserve.engine.detokenizer import IncrementalDetokenizer
-from kvserve.engine.kv_cache import KVCacheManager
+from kvserve.engine.core import CoreOutput, EngineCore
+from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.outputs import RequestOutput, RequestState
 from kvserve.engine.parallel_sampling import ParentRequest
-from kvserve.engine.request import Request, RequestStatus
+from kvserve.engine.request import RequestStatus
 from kvserve.engine.sampling import SamplingParams
-from kvserve.engine.scheduler import Scheduler, SchedulerOutput
-from kvserve.engine.state_cache import StateSnapshotCache
 from kvserve.logger import init_logger
 
 if TYPE_CHECKING:
-    from kvserve.runner.model_runner import PendingSamples
+    from kvserve.engine.kv_cache import KVCacheManager
+    from kvserve.engine.scheduler import Scheduler
+    from kvserve.runner.model_runner import ModelRunner
 
 logger = init_logger(__name__)
 
@@ -55,8 +56,6 @@ def _generation_eos_ids(model_path: str) -> list[int]:
 
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
-        from kvserve.runner.model_runner import ModelRunner
-
         self.config = config
         # skip_tokenizer_init (config.tokenizer is None): no tokenizer, token-id prompts only, no
         # output text (vLLM: the detokenizer is a no-op, the EOS id of the tokenizer is None and
@@ -68,27 +67,42 @@ class Engine:
             logger.warning("Using None for EOS token id because tokenizer is not initialized")
         self.eos_token_id: int | None = None if self.tokenizer is None else self.tokenizer.eos_token_id
         self.extra_eos_ids = _generation_eos_ids(config.model_config.model)
-        self.runner = ModelRunner(config)
-        cc = config.cache_config
-        snapshots = None
-        if self.runner.num_snapshot_slots:  # hybrid prefix caching: the GDN states a hit resumes from
-            snapshots = StateSnapshotCache(self.runner.num_snapshot_slots, self.runner.snapshot_interval)
-        elif self.runner.gdn_layers:  # a cached prefix without its recurrent state would be wrong
-            cc.enable_prefix_caching = False
-        self.kv_manager = KVCacheManager(cc.num_blocks, cc.block_size, cc.enable_prefix_caching, snapshots)
-        self.scheduler = Scheduler(config.scheduler_config, self.kv_manager)
-        self.states: dict[str, RequestState] = {}
-        self.parents: dict[str, ParentRequest] = {}
-        # async scheduling: the step launched last, whose tokens are processed during the next one
-        self.async_scheduling = config.scheduler_config.async_scheduling
-        self._pending: tuple[SchedulerOutput, "PendingSamples"] | None = None
-        self._deferred: list[RequestOutput] = []  # outputs held back by a failed launch
-        self._sync_ids: set[str] = set()  # live requests whose sampling needs host state (see _needs_sync)
-        self.runner.host_state_requests = self._sync_ids
+        self.core = EngineCore(config)
+        self.output_processor = OutputProcessor(self.decoder)
+        self._deferred: list[RequestOutput] = []  # outputs held back by a failed step
         self.vocab_size = config.model_config.vocab_size
-        self._max_model_len = config.model_config.max_model_len
         if self.tokenizer is not None:
             self.vocab_size = max(self.vocab_size, len(self.tokenizer))
+
+    # the core's parts, for callers that look inside (benchmarks, tests, server stats)
+    @property
+    def runner(self) -> "ModelRunner":
+        return self.core.runner
+
+    @property
+    def scheduler(self) -> "Scheduler":
+        return self.core.scheduler
+
+    @property
+    def kv_manager(self) -> "KVCacheManager":
+        return self.core.kv_manager
+
+    @property
+    def async_scheduling(self) -> bool:
+        return self.core.async_scheduling
+
+    @async_scheduling.setter
+    def async_scheduling(self, value: bool) -> None:
+        self.core.async_scheduling = value
+
+    @property
+    def states(self) -> dict[str, RequestState]:
+        """Live requests' output states (children of n > 1 parents by child id)."""
+        return self.output_processor.states
+
+    @property
+    def parents(self) -> dict[str, ParentRequest]:
+        return self.output_processor.parents
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "Engine":
@@ -162,156 +176,40 @@ class Engine:
         self, request_id: str, prompt: str | None, ids: list[int], params: SamplingParams,
         index: int = 0, parent: ParentRequest | None = None,
     ) -> None:
-        if _needs_sync(params):
-            self._sync_ids.add(request_id)
-        self.states[request_id] = RequestState(
-            request_id=request_id,
-            prompt=prompt,
-            prompt_token_ids=ids,
-            params=params,
-            detokenizer=IncrementalDetokenizer(self.decoder, ids, params),
-            tokenizer=self.decoder,
-            index=index,
-            parent=parent,
-        )
-        self.scheduler.add_request(Request(request_id, ids, params))
+        self.output_processor.add_request(request_id, prompt, ids, params, index, parent)
+        self.core.add_request(request_id, ids, params)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
-        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        for rid in list(ids):
-            parent = self.parents.pop(rid, None)
-            if parent is not None:
-                ids.extend(parent.children)
-        for rid in ids:
-            if self.scheduler.abort(rid) is not None:
-                self.runner.remove_request(rid)
-            self.states.pop(rid, None)
-            self._sync_ids.discard(rid)
+        ids = self.output_processor.expand([request_ids] if isinstance(request_ids, str) else list(request_ids))
+        self.core.finish_requests(ids)
+        self.output_processor.drop(ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self._pending is not None or bool(self._deferred)
+        return self.core.has_unfinished_requests() or bool(self._deferred)
 
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.num_running + self.scheduler.num_waiting
 
     # ---- stepping -------------------------------------------------------------------------
-    def _check_stop(self, req: Request) -> tuple[RequestStatus | None, int | None]:
-        """vLLM's order: min_tokens, EOS, stop token ids, then the length caps."""
-        params, out = req.sampling_params, req.output_token_ids
-        last, num_out = out[-1], len(out)
-        if num_out >= params.min_tokens:
-            if params.eos_token_id is not None and last == params.eos_token_id:
-                return RequestStatus.FINISHED_STOPPED, None
-            if last in params.stop_token_ids:  # type: ignore[operator]
-                return RequestStatus.FINISHED_STOPPED, last
-        if len(req.all_token_ids) >= self._max_model_len or num_out >= (params.max_tokens or 0):
-            return RequestStatus.FINISHED_LENGTH_CAPPED, None
-        return None, None
-
     def step(self) -> list[RequestOutput]:
-        """Schedule one batch, run it, and return the outputs it produced. With async scheduling
-        the batch is launched and the outputs returned are those of the step launched before it,
-        whose tokens are processed while this one runs on the device."""
+        """Run one core step and return the outputs it produced (with async scheduling, those of
+        the step launched one call earlier). A failed step's requests are gone from the core;
+        their states are dropped here before the error goes on."""
         if self._deferred:
             out, self._deferred = self._deferred, []
             return out
-        if not self.async_scheduling or self._sync_ids:
-            # some live request needs its tokens on the host before the next sampling
-            return self._finish_pending() + self._step_sync()
-        sched = self.scheduler.schedule()
-        launched = None
-        if not sched.is_empty:
-            try:
-                launched = self.runner.execute_async(sched)
-            except BaseException:
-                self._deferred = self._finish_pending()  # the step before is not lost
-                self.abort_request([s.request.request_id for s in sched.scheduled])
-                raise
-            for s in sched.scheduled:
-                if s.samples:
-                    s.request.num_pending += 1
         try:
-            outputs = self._finish_pending()
+            core_outputs = self.core.step()
         except BaseException:
-            # the step before failed on the device: this one, launched behind it, cannot stand
-            self.abort_request([s.request.request_id for s in sched.scheduled])
+            # the step before the failed one still counts: its outputs come with the next call
+            self._deferred = self._process(self.core.take_deferred())
+            live = self.scheduler.requests
+            self.output_processor.drop([rid for rid in self.states if rid not in live])
             raise
-        if launched is not None:
-            self._pending = (sched, launched)
+        return self._process(core_outputs)
+
+    def _process(self, core_outputs: list[CoreOutput]) -> list[RequestOutput]:
+        outputs, stopped = self.output_processor.process(core_outputs)
+        if stopped:  # a stop string ended them: the core still runs them
+            self.core.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         return outputs
-
-    def _finish_pending(self) -> list[RequestOutput]:
-        """Wait for the step launched last and process its tokens."""
-        if self._pending is None:
-            return []
-        sched, launched = self._pending
-        self._pending = None
-        try:
-            results = launched.results()
-        except BaseException:  # the device failed the step: its requests cannot go on
-            self.abort_request([s.request.request_id for s in sched.scheduled])
-            raise
-        for s in sched.scheduled:
-            if s.request.request_id in results:
-                s.request.num_pending -= 1
-        # a request that finished (or was aborted) after being scheduled: its token is dropped
-        live = [s for s in sched.scheduled if not s.request.is_finished and s.request.request_id in self.states]
-        return self._process(live, results, {})
-
-    def _step_sync(self) -> list[RequestOutput]:
-        sched = self.scheduler.schedule()
-        if sched.is_empty:
-            return []
-        try:
-            results, prompt_logprobs = self.runner.execute(sched)
-        except BaseException:
-            # The step's KV was not written: its requests cannot go on. Abort them (their blocks
-            # and not-yet-confirmed prefix-cache entries are released) and let the caller decide.
-            self.abort_request([s.request.request_id for s in sched.scheduled])
-            raise
-        return self._process(sched.scheduled, results, prompt_logprobs)
-
-    def _process(self, scheduled: list, results: dict, prompt_logprobs: dict) -> list[RequestOutput]:
-        """Append each sampled token, apply the stop rules, and build the outputs."""
-        outputs: list[RequestOutput] = []
-        for s in scheduled:
-            req = s.request
-            if req.request_id in prompt_logprobs:
-                self.states[req.request_id].add_prompt_logprobs(prompt_logprobs[req.request_id])
-            res = results.get(req.request_id)
-            if res is None:
-                continue  # a prefill chunk that did not reach the end of the prompt yet
-            req.append_output_token(res.token_id)
-            status, stop_reason = self._check_stop(req)
-            state = self.states[req.request_id]
-            state.token_ids.append(res.token_id)
-            if res.logprobs is not None and res.logprob_token_ids is not None:
-                state.add_logprobs(res.logprob_token_ids, res.logprobs, res.sampled_rank or 0)
-            stop_str = state.detokenizer.update([res.token_id], status == RequestStatus.FINISHED_STOPPED)
-            if stop_str is not None:
-                status, stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
-            if status is not None:
-                self.scheduler.finish_request(req, status)
-                self.runner.remove_request(req.request_id)
-                del self.states[req.request_id]
-                self._sync_ids.discard(req.request_id)
-            out = state.make_output(
-                req.num_cached_tokens, status.finish_reason if status is not None else None, stop_reason
-            )
-            if out is not None:
-                outputs.append(out)
-                if out.finished and state.parent is not None:
-                    self.parents.pop(state.parent.request_id, None)
-        return outputs
-
-
-def _needs_sync(params: SamplingParams) -> bool:
-    """Sampling that reads host state one step late under async scheduling: penalties (the output
-    ids) and logprobs (computed on the host). Such requests run their steps synchronously."""
-    return (
-        params.logprobs is not None
-        or params.prompt_logprobs is not None
-        or params.presence_penalty != 0.0
-        or params.frequency_penalty != 0.0
-        or params.repetition_penalty != 1.0
-    )

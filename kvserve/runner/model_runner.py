@@ -208,7 +208,7 @@ class ModelRunner:
         # input is one of them (its position is past the known tokens) gathers it from here
         self._prev_tokens: torch.Tensor | None = None
         self._prev_rows: dict[str, int] = {}
-        self.host_state_requests: set[str] | None = None  # set by the engine (see Engine._sync_ids)
+        self.host_state_requests: set[str] | None = None  # set by the engine (see EngineCore._sync_ids)
         if self.backend == "triton" and self.device.type == "cuda":
             warm_up_kernels(self)  # no request waits on a Triton compile later
         self.graphs: DecodeGraphs | None = None
