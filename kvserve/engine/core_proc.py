@@ -1,0 +1,174 @@
+"""The engine core in its own process (vLLM v1's EngineCoreProc): a busy loop that never waits on
+HTTP, fed and drained by two threads that move msgpack frames between ZeroMQ sockets and queues
+(socket I/O and (de)serialization release the GIL while the loop steps).
+
+Sockets: the front end binds a PUSH (requests) and a PULL (outputs) on ``ipc://`` paths; the core
+connects a PULL and a PUSH to them (one front end; vLLM's ROUTER / DEALER pairs route several).
+The first output is the ready message; a fatal error sends ``ENGINE_CORE_DEAD`` and exits non-zero.
+The core exits when its parent does (the end of a pipe the parent holds reads EOF), so a front end
+killed hard leaves no engine behind."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import threading
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+import msgspec
+import zmq
+
+from kvserve.config import EngineConfig
+from kvserve.engine import core_messages as msg
+from kvserve.engine.core import EngineCore
+from kvserve.logger import init_logger
+
+logger = init_logger(__name__)
+
+_STOP = object()  # the input queue's shutdown marker
+
+
+class EngineCoreProc:
+    """The loop around one ``EngineCore``; ``UTILITIES`` are the methods a front end may call."""
+
+    UTILITIES = frozenset({"reset_prefix_cache", "scheduler_stats"})
+
+    def __init__(self, config: EngineConfig, input_address: str, output_address: str) -> None:
+        self.core = EngineCore(config)
+        self.input_queue: queue.Queue = queue.Queue()
+        self.output_queue: queue.Queue = queue.Queue()
+        self.ctx = zmq.Context()
+        self.output_socket = self.ctx.socket(zmq.PUSH)
+        self.output_socket.setsockopt(zmq.LINGER, 4000)  # the death notice gets out before exit
+        self.output_socket.connect(output_address)
+        self.input_socket = self.ctx.socket(zmq.PULL)
+        self.input_socket.connect(input_address)
+        threading.Thread(target=self._read_inputs, name="kvserve-core-input", daemon=True).start()
+        self._writer = threading.Thread(target=self._write_outputs, name="kvserve-core-output", daemon=True)
+        self._writer.start()
+        mc, cc = config.model_config, config.cache_config
+        self.output_queue.put(msg.CoreOutputs(stats=self.stats(), ready={
+            "max_model_len": mc.max_model_len, "num_gpu_blocks": cc.num_blocks, "block_size": cc.block_size,
+            "pid": os.getpid(),
+        }))
+
+    # ---- threads ---------------------------------------------------------------------------
+    def _read_inputs(self) -> None:
+        while True:
+            try:
+                frames = self.input_socket.recv_multipart(copy=True)
+            except zmq.ContextTerminated:
+                return
+            try:
+                kind = msg.RequestType(frames[0])
+                payload = None if kind == msg.RequestType.SHUTDOWN else msg.REQUEST_DECODERS[kind].decode(frames[1])
+            except Exception as e:  # a bad frame must not kill the engine
+                logger.exception("Undecodable request frame: %s", e)
+                continue
+            self.input_queue.put((kind, payload))
+            if kind == msg.RequestType.SHUTDOWN:
+                return
+
+    def _write_outputs(self) -> None:
+        buf = bytearray()
+        while True:
+            item = self.output_queue.get()
+            if item is _STOP:
+                return
+            if item is msg.ENGINE_CORE_DEAD:
+                self.output_socket.send(msg.ENGINE_CORE_DEAD)
+                return
+            msg.ENCODER.encode_into(item, buf)
+            self.output_socket.send(buf, copy=True)
+
+    # ---- the loop --------------------------------------------------------------------------
+    def run(self) -> None:
+        core = self.core
+        while True:
+            block = not core.has_unfinished_requests()
+            while True:
+                try:
+                    kind, payload = self.input_queue.get(block=block)
+                except queue.Empty:
+                    break
+                block = False
+                if kind == msg.RequestType.SHUTDOWN:
+                    return
+                self._handle(kind, payload)
+            if core.has_unfinished_requests():
+                self._step()
+
+    def _handle(self, kind: msg.RequestType, payload: Any) -> None:
+        if kind == msg.RequestType.ADD:
+            self.core.add_request(payload.request_id, payload.prompt_token_ids, msg.params_of(payload))
+        elif kind == msg.RequestType.ABORT:
+            self.core.finish_requests(payload.request_ids, payload.status)
+        elif kind == msg.RequestType.UTILITY:
+            out = msg.CoreOutputs(utility_call_id=payload.call_id)
+            try:
+                if payload.method not in self.UTILITIES:
+                    raise ValueError(f"unknown utility {payload.method!r}; accepted: {sorted(self.UTILITIES)}")
+                out.utility_result = getattr(self, payload.method)(*payload.args)
+            except Exception as e:
+                out.utility_error = f"Call to {payload.method} method failed: {e}"
+            self.output_queue.put(out)
+
+    def _step(self) -> None:
+        core = self.core
+        before = set(core.scheduler.requests)
+        try:
+            outputs = core.step()
+        except Exception as e:  # the core aborted the step's requests: tell their front end
+            logger.exception("Engine step failed; aborting the affected requests: %s", e)
+            failed = sorted(before - set(core.scheduler.requests))
+            outputs = core.take_deferred()  # the step before the failed one still counts
+            self.output_queue.put(msg.CoreOutputs(outputs, self.stats(), failed, f"Engine step failed: {e}"))
+            return
+        self.output_queue.put(msg.CoreOutputs(outputs, self.stats()))
+
+    # ---- utilities -------------------------------------------------------------------------
+    def scheduler_stats(self) -> dict[str, int]:
+        return msgspec.structs.asdict(self.stats())
+
+    def stats(self) -> msg.SchedulerStats:
+        kv, sched = self.core.kv_manager, self.core.scheduler
+        return msg.SchedulerStats(sched.num_running, sched.num_waiting, kv.num_free_blocks, kv.pool.num_blocks,
+                                  sched.num_preemptions)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.core.kv_manager.reset_prefix_cache()
+
+    def close(self) -> None:
+        self.output_queue.put(_STOP)
+        self._writer.join(5)
+        self.ctx.destroy(linger=0)
+
+
+def _exit_with_parent(parent_end: Connection) -> None:
+    """Block until the parent's end of the pipe closes (it exited, however), then leave at once."""
+    try:
+        parent_end.recv()
+    except (EOFError, OSError):
+        pass
+    os._exit(0)
+
+
+def run_engine_core(config: EngineConfig, input_address: str, output_address: str, parent_end: Connection) -> None:
+    """The engine-core process (the spawn target)."""
+    threading.Thread(target=_exit_with_parent, args=(parent_end,), daemon=True).start()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the front end's: it shuts the core down
+    proc = None
+    try:
+        proc = EngineCoreProc(config, input_address, output_address)
+        proc.run()
+    except BaseException as e:
+        logger.error("EngineCore encountered a fatal error: %s\n%s", e, traceback.format_exc())
+        if proc is None:  # failed to start: the front end sees the exit code
+            raise SystemExit(1)
+        proc.output_queue.put(msg.ENGINE_CORE_DEAD)
+        proc._writer.join(5)
+        raise SystemExit(1)
+    proc.close()

@@ -1,0 +1,180 @@
+"""The engine core in its own process (``engine/core_proc.py``) behind ``CoreClient``: the same
+tokens as the in-process core, aborts that free blocks across the boundary, a failed step reported
+with its requests, a dead core reported within seconds, and no process left behind (shutdown, a
+failed start, a front end killed hard)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from kvserve.config import EngineArgs
+from kvserve.engine.core import EngineCore
+from kvserve.engine.core_client import CoreClient, EngineDeadError
+from kvserve.engine.core_messages import ENCODER, REQUEST_DECODERS, AddRequest, RequestType, params_of
+from kvserve.engine.request import RequestStatus
+from kvserve.engine.sampling import SamplingParams
+
+
+def _config(folder, **kw):
+    args = dict(model=str(folder), dtype="float32", max_num_seqs=4, max_model_len=128, skip_tokenizer_init=True,
+                kv_cache_memory=1 << 22, device="cpu")
+    return EngineArgs(**{**args, **kw}).create_engine_config()
+
+
+def _params(**kw) -> SamplingParams:
+    p = SamplingParams(**{"temperature": 0.0, "max_tokens": 6, **kw})
+    p.update_from_generation_config(2, [5])
+    return p
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is gone for our purposes (its parent reaps it)
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def _wait_gone(pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _drain(client: CoreClient, want: set[str], timeout_s: float = 60.0) -> dict:
+    """request id -> (tokens, finish status) until every id in ``want`` finished."""
+    got: dict = {}
+    deadline = time.monotonic() + timeout_s
+    while not all(got.get(r, (None, None))[1] is not None for r in want):
+        out = client.get_output(max(0.1, deadline - time.monotonic()))
+        assert out is not None, f"no output within {timeout_s} s; got {got}"
+        for o in out.outputs:
+            ids, _ = got.get(o.request_id, ([], None))
+            got[o.request_id] = (ids + o.new_token_ids, o.finish_status)
+    return got
+
+
+@pytest.fixture(scope="module")
+def tiny(make_tiny_model):
+    return make_tiny_model("llama")
+
+
+def test_add_request_keeps_the_eos_ids_the_front_end_added():
+    p = _params(stop_token_ids=[9], min_tokens=2)
+    frame = ENCODER.encode(AddRequest("r", [1, 2], p, sorted(p.all_stop_token_ids)))
+    back = params_of(REQUEST_DECODERS[RequestType.ADD].decode(frame))
+    assert back.all_stop_token_ids == {2, 5, 9} and back.eos_token_id == 2 and back.stop_token_ids == [5, 9]
+    assert back == p
+
+
+def test_core_process_gives_the_in_process_tokens(tiny, one_thread):
+    prompts = {"a": [3, 4, 5, 6], "b": [7, 8], "c": list(range(10, 40))}
+    params = {"a": _params(), "b": _params(max_tokens=9), "c": _params(max_tokens=3)}
+    core = EngineCore(_config(tiny))
+    for rid, ids in prompts.items():
+        core.add_request(rid, ids, params[rid].clone())
+    want: dict = {}
+    while core.has_unfinished_requests():
+        for o in core.step():
+            ids, _ = want.get(o.request_id, ([], None))
+            want[o.request_id] = (ids + o.new_token_ids, o.finish_status)
+    client = CoreClient(_config(tiny))
+    try:
+        for rid, ids in prompts.items():
+            client.add_request(rid, ids, params[rid].clone())
+        assert _drain(client, set(prompts)) == want
+        assert [len(want[r][0]) for r in "abc"] == [6, 9, 3]
+    finally:
+        client.shutdown()
+    assert not client.proc.is_alive()
+
+
+def test_abort_crosses_the_boundary_and_frees_the_blocks(tiny):
+    client = CoreClient(_config(tiny))
+    try:
+        client.add_request("long", [3, 4, 5], _params(max_tokens=100, ignore_eos=True))
+        first = client.get_output(60)
+        assert first is not None and first.outputs[0].request_id == "long"
+        client.finish_requests(["long"])
+        call = client.call_utility("scheduler_stats")
+        while True:  # outputs already in flight may come first
+            out = client.get_output(60)
+            assert out is not None
+            if out.utility_call_id == call:
+                break
+        stats = out.utility_result
+        assert stats["num_running"] == 0 and stats["num_waiting"] == 0
+        assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    finally:
+        client.shutdown()
+
+
+def test_failed_step_is_reported_with_its_requests_and_the_core_goes_on(tiny):
+    client = CoreClient(_config(tiny))
+    try:
+        client.add_request("bad", [3, 10**6], _params())  # an id no embedding row has (the front end would refuse it)
+        out = client.get_output(60)
+        assert out is not None and out.failed_request_ids == ["bad"] and "Engine step failed" in out.error
+        client.add_request("good", [3, 4], _params(max_tokens=4, ignore_eos=True))
+        got = _drain(client, {"good"})
+        assert len(got["good"][0]) == 4 and got["good"][1] == RequestStatus.FINISHED_LENGTH_CAPPED
+    finally:
+        client.shutdown()
+
+
+def test_killed_core_is_reported_within_seconds(tiny):
+    client = CoreClient(_config(tiny))
+    try:
+        client.add_request("a", [3, 4], _params(max_tokens=100, ignore_eos=True))
+        os.kill(client.proc.pid, 9)
+        t0 = time.monotonic()
+        with pytest.raises(EngineDeadError, match="EngineCore encountered an issue"):
+            while time.monotonic() - t0 < 5:
+                client.get_output(0.2)
+        assert time.monotonic() - t0 < 5
+        with pytest.raises(EngineDeadError):
+            client.add_request("b", [3], _params())
+    finally:
+        client.shutdown()
+    assert not client.proc.is_alive()
+
+
+def test_failed_start_leaves_no_process(tiny):
+    config = _config(tiny)
+    config.cache_config.kv_cache_memory = 1  # not one block: the core's memory plan fails
+    before = set(os.listdir("/proc"))
+    with pytest.raises(RuntimeError, match="Engine core initialization failed"):
+        CoreClient(config)
+    time.sleep(0.2)
+    new = [p for p in set(os.listdir("/proc")) - before if p.isdigit() and _alive(int(p))]
+    assert not any("EngineCore" in open(f"/proc/{p}/cmdline", "rb").read().decode(errors="replace") for p in new)
+
+
+def test_core_exits_when_its_front_end_is_killed(tiny, tmp_path):
+    script = tmp_path / "front.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, sys
+        sys.path[:0] = {sys.path!r}
+        from kvserve.config import EngineArgs
+        from kvserve.engine.core_client import CoreClient
+        if __name__ == "__main__":
+            cfg = EngineArgs(model={str(tiny)!r}, dtype="float32", max_num_seqs=4, max_model_len=128,
+                             skip_tokenizer_init=True, kv_cache_memory=1 << 22, device="cpu").create_engine_config()
+            client = CoreClient(cfg)
+            print(client.proc.pid, flush=True)
+            os.kill(os.getpid(), 9)
+    """))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    core_pid = int(proc.stdout.split()[-1])
+    assert _wait_gone(core_pid, 10), "the engine core outlived its front end"
