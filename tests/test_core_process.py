@@ -15,7 +15,8 @@ import pytest
 
 from kvserve.config import EngineArgs
 from kvserve.engine.core import EngineCore
-from kvserve.engine.core_client import CoreClient, EngineDeadError
+from kvserve.engine.core_client import CoreClient
+from kvserve.engine.exceptions import EngineDeadError
 from kvserve.engine.core_messages import ENCODER, REQUEST_DECODERS, AddRequest, RequestType, params_of
 from kvserve.engine.request import RequestStatus
 from kvserve.engine.sampling import SamplingParams
@@ -178,3 +179,68 @@ def test_core_exits_when_its_front_end_is_killed(tiny, tmp_path):
     assert proc.returncode == -9, proc.stderr[-2000:]
     core_pid = int(proc.stdout.split()[-1])
     assert _wait_gone(core_pid, 10), "the engine core outlived its front end"
+
+
+# ---- the front end over a core process (Engine / AsyncLLM, multiprocess=True) -----------------
+def _final_outputs(engine, prompts: dict, params: SamplingParams) -> dict:
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, prompt, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = [(c.text, c.token_ids, c.finish_reason, c.stop_reason) for c in out.outputs]
+    return done
+
+
+def test_engine_over_a_core_process_gives_the_in_process_outputs(tiny, one_thread):
+    from kvserve.engine.engine import Engine
+
+    prompts = {"a": "the quick brown fox", "b": {"prompt_token_ids": [3, 4, 5]}, "c": "hello"}
+    params = SamplingParams(temperature=0.8, seed=7, n=2, max_tokens=12, stop=[" e", "a"])
+    cfg = dict(skip_tokenizer_init=False)
+    want = _final_outputs(Engine(_config(tiny, **cfg)), prompts, params)
+    remote = Engine(_config(tiny, **cfg), multiprocess=True)
+    try:
+        assert _final_outputs(remote, prompts, params) == want
+        t0 = time.monotonic()  # the core's stats follow the stop-string finishes it was sent
+        while remote.stats()["num_running"] and time.monotonic() - t0 < 5:
+            time.sleep(0.05)
+        stats = remote.stats()
+        assert stats["num_running"] == stats["num_waiting"] == 0
+        assert stats["num_free_blocks"] == stats["num_total_blocks"]
+        # a stop string ended one
+        assert any(c[2] == "stop" and isinstance(c[3], str) for outs in want.values() for c in outs)
+        with pytest.raises(AttributeError, match="its own process"):
+            remote.scheduler
+    finally:
+        remote.shutdown()
+    assert not remote.core.proc.is_alive()
+
+
+def test_async_llm_over_a_core_process_streams_then_reports_its_death(tiny):
+    import asyncio
+
+    from kvserve.engine.async_llm import AsyncLLM
+    from kvserve.engine.sampling import RequestOutputKind  # noqa: F401  (DELTA is set by AsyncLLM)
+
+    llm = AsyncLLM.from_engine_args(EngineArgs(model=str(tiny), dtype="float32", max_num_seqs=4, max_model_len=128,
+                                               kv_cache_memory=1 << 22, device="cpu"), multiprocess=True)
+
+    async def run(rid: str, n: int) -> list[int]:
+        tokens = []
+        async for out in llm.generate("a b c", SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), rid):
+            tokens += out.outputs[0].token_ids
+        return tokens
+
+    try:
+        assert len(asyncio.run(run("first", 5))) == 5 and llm.is_running
+        os.kill(llm.engine.core.proc.pid, 9)
+        t0 = time.monotonic()
+        while llm.is_running and time.monotonic() - t0 < 5:
+            time.sleep(0.05)
+        assert not llm.is_running, "a dead core was not noticed within 5 s"
+        with pytest.raises(EngineDeadError):
+            asyncio.run(run("second", 5))
+    finally:
+        llm.shutdown()

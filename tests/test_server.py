@@ -696,41 +696,61 @@ def test_serve_parser_is_light():
     assert out.stdout.strip() == "[]"
 
 
-def test_serve_subprocess(make_tiny_model, tmp_path):
-    """`run(args)` end to end in a child process: env API key, default served name = model path."""
-    import signal
+def _serve_process(folder: str, port: int, env: dict | None = None):
+    """``kvserve serve`` (``run(args)``) in a child process, its output piped; returns once /health is 200."""
     import subprocess
     import sys
 
-    folder = str(make_tiny_model("llama"))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     code = (
         "import argparse, sys\n"
         "from kvserve.entrypoints.openai.serve import add_parser\n"
         "p = argparse.ArgumentParser(); sub = p.add_subparsers(); add_parser(sub)\n"
         "a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))\n"
     )
-    env = dict(os.environ, KVSERVE_API_KEY="env-key", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    env.pop("VLLM_API_KEY", None)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), **(env or {}))
     proc = subprocess.Popen(
         [sys.executable, "-c", code, "serve", folder, "--port", str(port), "--kv-cache-memory", str(KV_MEM),
          "--dtype", "float32", "--device", "cpu", "--uvicorn-log-level", "warning"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )
+    deadline = time.time() + 90
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            raise AssertionError("server did not come up: " + proc.stdout.read().decode()[-3000:])
+        time.sleep(0.2)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _engine_cores(pid: int) -> list[int]:
+    """The child processes of ``pid`` that multiprocessing spawned (not its resource tracker)."""
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        kids = [int(c) for c in f.read().split()]
+    return [k for k in kids if b"spawn_main" in open(f"/proc/{k}/cmdline", "rb").read()]
+
+
+def test_serve_subprocess(make_tiny_model, tmp_path):
+    """`run(args)` end to end in a child process: env API key, default served name = model path;
+    the engine core runs in its own process, which Ctrl-C (SIGINT) ends with the server."""
+    import signal
+
+    folder = str(make_tiny_model("llama"))
+    port = _free_port()
+    env = {"KVSERVE_API_KEY": "env-key", "VLLM_API_KEY": ""}
+    proc = _serve_process(folder, port, env)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 60
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None, proc.stdout.read().decode()
-            assert time.time() < deadline, "server did not come up"
-            time.sleep(0.2)
+        (core_pid,) = _engine_cores(proc.pid)
         assert httpx.get(url + "/v1/models").status_code == 401
         c = openai.OpenAI(base_url=url + "/v1", api_key="env-key", max_retries=0)
         assert c.models.list().data[0].id == folder
@@ -743,6 +763,59 @@ def test_serve_subprocess(make_tiny_model, tmp_path):
         finally:
             if proc.poll() is None:
                 proc.kill()
+    assert not os.path.exists(f"/proc/{core_pid}") or "Z" in open(f"/proc/{core_pid}/stat").read().split(")")[-1][:3]
+
+
+def test_serve_fails_fast_and_exits_when_its_engine_core_dies(make_tiny_model):
+    """vLLM's behaviour: the core process killed mid-request -> the request gets an error instead of
+    hanging, /health answers 503 within 5 s, the server exits (code 1) and leaves no process."""
+    import signal
+    import threading
+
+    folder = str(make_tiny_model("llama"))
+    port = _free_port()
+    proc = _serve_process(folder, port, {"VLLM_WATCHDOG_TIME_S": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        (core_pid,) = _engine_cores(proc.pid)
+        answer: dict = {"chunks": 0}
+        started = threading.Event()
+
+        def long_request() -> None:  # streams until the core dies (max_model_len is far away)
+            body = {"model": folder, "prompt": "hi", "max_tokens": 400, "ignore_eos": True, "stream": True}
+            try:
+                with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+                    for line in r.iter_lines():
+                        if line.startswith("data: {"):
+                            answer["chunks"] += 1
+                            answer["error"] = answer.get("error") or ('"error"' in line and line)
+                            started.set()
+                        answer["done"] = line == "data: [DONE]"
+            except httpx.HTTPError as e:  # or the connection drops with the server
+                answer["error"] = repr(e)
+            started.set()
+
+        t = threading.Thread(target=long_request)
+        t.start()
+        assert started.wait(30)
+        os.kill(core_pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        health = None
+        while time.monotonic() - t0 < 5:
+            try:
+                health = httpx.get(url + "/health", timeout=1).status_code
+            except httpx.HTTPError:
+                health = "down"
+            if health != 200:
+                break
+            time.sleep(0.1)
+        assert health in (503, "down") and time.monotonic() - t0 < 5
+        t.join(30)
+        assert not t.is_alive() and answer.get("error") and answer["chunks"] < 400, answer
+        assert proc.wait(30) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
 
 
 # ---- golden parity (real default model) ------------------------------------------------------

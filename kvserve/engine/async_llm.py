@@ -20,15 +20,12 @@ from typing import Any, AsyncIterator, Callable, Protocol
 
 from kvserve.config import EngineArgs
 from kvserve.engine.engine import Engine, PromptInput
+from kvserve.engine.exceptions import EngineDeadError
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.sampling import RequestOutputKind, SamplingParams
 from kvserve.logger import init_logger
 
 logger = init_logger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop has stopped; no request can be served."""
 
 
 class StatObserver(Protocol):
@@ -87,8 +84,10 @@ class AsyncLLM:
             self._thread.start()
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> "AsyncLLM":
-        return cls(Engine.from_engine_args(args))
+    def from_engine_args(cls, args: EngineArgs, multiprocess: bool = False) -> "AsyncLLM":
+        """``multiprocess``: the engine core in its own process (``kvserve serve``); this process
+        then keeps only the front end's work (tokens in, text and outputs out)."""
+        return cls(Engine(args.create_engine_config(), multiprocess=multiprocess))
 
     # ---- properties for the server ---------------------------------------------------------
     @property
@@ -101,7 +100,7 @@ class AsyncLLM:
 
     @property
     def is_running(self) -> bool:
-        return self._thread.is_alive() and not self._stopped.is_set()
+        return self._thread.is_alive() and not self._stopped.is_set() and self.engine.is_alive()
 
     def add_observer(self, observer: StatObserver) -> None:
         self._observers.append(observer)
@@ -168,10 +167,10 @@ class AsyncLLM:
         return await asyncio.wrap_future(fut)
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        if not self._thread.is_alive():
-            return
-        self._inbox.put(("stop",))
-        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._inbox.put(("stop",))
+            self._thread.join(timeout)
+        self.engine.shutdown()
 
     def _check_alive(self) -> None:
         if self._dead is not None or self._stopped.is_set():
@@ -179,17 +178,15 @@ class AsyncLLM:
 
     # ---- engine thread ---------------------------------------------------------------------
     def _update_stats(self) -> None:
-        eng = self.engine
-        kv = eng.kv_manager
-        total = kv.pool.num_blocks
-        free = kv.num_free_blocks
+        s = self.engine.stats()
+        total, free = s["num_total_blocks"], s["num_free_blocks"]
         self.stats = EngineStats(
-            num_running=eng.scheduler.num_running,
-            num_waiting=eng.scheduler.num_waiting,
+            num_running=s["num_running"],
+            num_waiting=s["num_waiting"],
             kv_cache_usage=1.0 - free / total if total else 0.0,
             num_free_blocks=free,
             num_total_blocks=total,
-            num_preemptions=eng.scheduler.num_preemptions,
+            num_preemptions=s["num_preemptions"],
         )
 
     def _run(self) -> None:
@@ -273,6 +270,8 @@ class AsyncLLM:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
+        except EngineDeadError:
+            raise  # the core process is gone: the loop ends and every stream gets the error
         except Exception as e:  # the engine aborted the step's requests; tell their streams
             logger.exception("Engine step failed; aborting the affected requests: %s", e)
             for rid in list(self._streams):

@@ -185,14 +185,16 @@ class EngineCore:
             prompt_lps = prompt_logprobs.get(rid) if prompt_logprobs else None
             if res is None:  # a prefill chunk that did not reach the end of the prompt yet
                 if prompt_lps is not None:
-                    outputs.append(CoreOutput(rid, [], prompt_logprobs=prompt_lps, num_cached_tokens=req.num_cached_tokens))
+                    outputs.append(CoreOutput(rid, [], prompt_logprobs=prompt_lps,
+                                              num_cached_tokens=req.num_cached_tokens))
                 continue
             req.append_output_token(res.token_id)
             status, stop_reason = self._check_stop(req)
             new_lps = None
             if res.logprobs is not None and res.logprob_token_ids is not None:
                 new_lps = (res.logprob_token_ids, res.logprobs, res.sampled_rank or 0)
-            outputs.append(CoreOutput(rid, [res.token_id], status, stop_reason, new_lps, prompt_lps, req.num_cached_tokens))
+            outputs.append(CoreOutput(rid, [res.token_id], status, stop_reason, new_lps, prompt_lps,
+                                      req.num_cached_tokens))
             if status is not None:
                 self.scheduler.finish_request(req, status)
                 self.runner.remove_request(rid)

@@ -21,6 +21,7 @@ import zmq
 
 from kvserve.config import EngineConfig
 from kvserve.engine import core_messages as msg
+from kvserve.engine.exceptions import EngineDeadError
 from kvserve.engine.request import RequestStatus
 from kvserve.engine.sampling import SamplingParams
 from kvserve.logger import init_logger
@@ -30,12 +31,8 @@ logger = init_logger(__name__)
 READY_TIMEOUT_S = float(os.environ.get("VLLM_ENGINE_READY_TIMEOUT_S", "600"))  # vLLM's variable
 
 
-class EngineDeadError(RuntimeError):
-    """The engine core is gone; nothing more can be served (vLLM's message)."""
-
-    def __init__(self, detail: str = "") -> None:
-        super().__init__("EngineCore encountered an issue. See stack trace (above) for the root cause."
-                         + (f" ({detail})" if detail else ""))
+def _dead_text(detail: str) -> str:
+    return f"EngineCore encountered an issue. See stack trace (above) for the root cause. ({detail})"
 
 
 def _ipc_address() -> str:
@@ -71,6 +68,7 @@ class CoreClient:
         child_end.close()
         self._finalizer = weakref.finalize(self, _stop_process, self.proc, self.ctx, 5.0)
         self.dead: str | None = None  # why the core is gone, once it is
+        self._closing = False
         self._call_ids = itertools.count(1)
         self._lock = threading.Lock()  # one sender at a time (the socket is not thread-safe)
         try:
@@ -99,14 +97,14 @@ class CoreClient:
     def _watch(self) -> None:
         wait_for([self.proc.sentinel])
         self.proc.join(1)  # reap it: its exit code
-        if self.dead is None:
+        if self.dead is None and not self._closing:
             self.dead = f"engine core process exited with code {self.proc.exitcode}"
             logger.error("Engine core exited unexpectedly (exit code %s)", self.proc.exitcode)
 
     # ---- requests --------------------------------------------------------------------------
     def _send(self, kind: msg.RequestType, payload: Any) -> None:
         if self.dead is not None:
-            raise EngineDeadError(self.dead)
+            raise EngineDeadError(_dead_text(self.dead))
         with self._lock:
             self.input_socket.send_multipart([kind.value, msg.ENCODER.encode(payload)])
 
@@ -128,7 +126,7 @@ class CoreClient:
     def _decode(self, frame: bytes) -> msg.CoreOutputs:
         if frame == msg.ENGINE_CORE_DEAD:
             self.dead = self.dead or "the engine core reported a fatal error"
-            raise EngineDeadError(self.dead)
+            raise EngineDeadError(_dead_text(self.dead))
         return msg.OUTPUTS_DECODER.decode(frame)
 
     def get_output(self, timeout_s: float | None = None) -> msg.CoreOutputs | None:
@@ -136,18 +134,20 @@ class CoreClient:
         core is gone (checked every 100 ms while waiting)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
-            if self.output_socket.poll(100):
+            wait_ms = 100 if deadline is None else max(0, min(100, int((deadline - time.monotonic()) * 1000)))
+            if self.output_socket.poll(wait_ms):
                 out = self._decode(self.output_socket.recv())
                 if out.stats is not None:
                     self.stats = out.stats
                 return out
             if self.dead is not None:
-                raise EngineDeadError(self.dead)
+                raise EngineDeadError(_dead_text(self.dead))
             if deadline is not None and time.monotonic() >= deadline:
                 return None
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         """Ask the core to stop, then make sure it did; idempotent."""
+        self._closing = True
         if self.proc.is_alive() and self.dead is None:
             try:
                 with self._lock:

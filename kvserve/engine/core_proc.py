@@ -49,6 +49,7 @@ class EngineCoreProc:
         threading.Thread(target=self._read_inputs, name="kvserve-core-input", daemon=True).start()
         self._writer = threading.Thread(target=self._write_outputs, name="kvserve-core-output", daemon=True)
         self._writer.start()
+        self._last_stats: msg.SchedulerStats | None = None
         mc, cc = config.model_config, config.cache_config
         self.output_queue.put(msg.CoreOutputs(stats=self.stats(), ready={
             "max_model_len": mc.max_model_len, "num_gpu_blocks": cc.num_blocks, "block_size": cc.block_size,
@@ -100,6 +101,8 @@ class EngineCoreProc:
                 self._handle(kind, payload)
             if core.has_unfinished_requests():
                 self._step()
+            else:  # aborts or stop-string finishes emptied it: the front end's stats follow
+                self._send_stats()
 
     def _handle(self, kind: msg.RequestType, payload: Any) -> None:
         if kind == msg.RequestType.ADD:
@@ -127,7 +130,15 @@ class EngineCoreProc:
             outputs = core.take_deferred()  # the step before the failed one still counts
             self.output_queue.put(msg.CoreOutputs(outputs, self.stats(), failed, f"Engine step failed: {e}"))
             return
-        self.output_queue.put(msg.CoreOutputs(outputs, self.stats()))
+        self._send_stats(outputs)
+
+    def _send_stats(self, outputs: list | None = None) -> None:
+        """A step's outputs with the scheduler's stats; nothing when neither changed (a step whose
+        requests all wait for room sends nothing)."""
+        stats = self.stats()
+        if outputs or stats != self._last_stats:
+            self._last_stats = stats
+            self.output_queue.put(msg.CoreOutputs(outputs or [], stats))
 
     # ---- utilities -------------------------------------------------------------------------
     def scheduler_stats(self) -> dict[str, int]:

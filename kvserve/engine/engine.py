@@ -1,6 +1,8 @@
-"""Engine: the in-process engine (vLLM v1's LLMEngine with its in-process core client): validates
-and tokenizes requests, hands them to the ``EngineCore`` (scheduler, KV manager, runner) and turns
-each core step into ``RequestOutput``s with the ``OutputProcessor`` (text, stop strings, n > 1)."""
+"""Engine: the front end of one engine core (vLLM v1's LLMEngine): validates and tokenizes
+requests, hands them to the core (scheduler, KV manager, runner) and turns each core step into
+``RequestOutput``s with the ``OutputProcessor`` (text, stop strings, n > 1). The core runs in this
+process (``EngineCore``; the offline ``LLM``) or in its own (``multiprocess=True``: ``CoreClient``,
+``kvserve serve``), where a step is the next batch of outputs the core sent."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvserve.config import EngineArgs, EngineConfig
 from kvserve.engine.core import CoreOutput, EngineCore
+from kvserve.engine.exceptions import EngineDeadError
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.outputs import RequestOutput, RequestState
 from kvserve.engine.parallel_sampling import ParentRequest
@@ -18,6 +21,7 @@ from kvserve.engine.sampling import SamplingParams
 from kvserve.logger import init_logger
 
 if TYPE_CHECKING:
+    from kvserve.engine.core_client import CoreClient
     from kvserve.engine.kv_cache import KVCacheManager
     from kvserve.engine.scheduler import Scheduler
     from kvserve.runner.model_runner import ModelRunner
@@ -54,8 +58,13 @@ def _generation_eos_ids(model_path: str) -> list[int]:
     return [eos] if isinstance(eos, int) else list(eos)
 
 
+# multiprocess: how long a step waits for the core's next outputs before the caller gets [] back
+# (the engine thread of AsyncLLM then looks at its inbox: adds and aborts wait at most this long)
+_OUTPUT_POLL_S = 0.005
+
+
 class Engine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, multiprocess: bool = False) -> None:
         self.config = config
         # skip_tokenizer_init (config.tokenizer is None): no tokenizer, token-id prompts only, no
         # output text (vLLM: the detokenizer is a no-op, the EOS id of the tokenizer is None and
@@ -67,33 +76,75 @@ class Engine:
             logger.warning("Using None for EOS token id because tokenizer is not initialized")
         self.eos_token_id: int | None = None if self.tokenizer is None else self.tokenizer.eos_token_id
         self.extra_eos_ids = _generation_eos_ids(config.model_config.model)
-        self.core = EngineCore(config)
+        self.core: EngineCore | CoreClient
+        if multiprocess:
+            from kvserve.engine.core_client import CoreClient
+
+            self.core = CoreClient(config)
+        else:
+            self.core = EngineCore(config)
+        self.multiprocess = multiprocess
         self.output_processor = OutputProcessor(self.decoder)
         self._deferred: list[RequestOutput] = []  # outputs held back by a failed step
         self.vocab_size = config.model_config.vocab_size
         if self.tokenizer is not None:
             self.vocab_size = max(self.vocab_size, len(self.tokenizer))
 
-    # the core's parts, for callers that look inside (benchmarks, tests, server stats)
+    # the core's parts, for callers that look inside (benchmarks, tests)
+    def _local_core(self) -> EngineCore:
+        if not isinstance(self.core, EngineCore):
+            raise AttributeError("the engine core runs in its own process (multiprocess=True): its runner, "
+                                 "scheduler and KV manager are not in this one")
+        return self.core
+
     @property
     def runner(self) -> "ModelRunner":
-        return self.core.runner
+        return self._local_core().runner
 
     @property
     def scheduler(self) -> "Scheduler":
-        return self.core.scheduler
+        return self._local_core().scheduler
 
     @property
     def kv_manager(self) -> "KVCacheManager":
-        return self.core.kv_manager
+        return self._local_core().kv_manager
 
     @property
     def async_scheduling(self) -> bool:
-        return self.core.async_scheduling
+        if self.multiprocess:
+            return self.config.scheduler_config.async_scheduling
+        return self._local_core().async_scheduling
 
     @async_scheduling.setter
     def async_scheduling(self, value: bool) -> None:
-        self.core.async_scheduling = value
+        self._local_core().async_scheduling = value
+
+    def stats(self) -> dict[str, int]:
+        """The core's running / waiting requests, free / total KV blocks and preemptions so far (from
+        its last step's outputs when it runs in its own process)."""
+        if isinstance(self.core, EngineCore):
+            kv, sched = self.core.kv_manager, self.core.scheduler
+            return {"num_running": sched.num_running, "num_waiting": sched.num_waiting,
+                    "num_free_blocks": kv.num_free_blocks, "num_total_blocks": kv.pool.num_blocks,
+                    "num_preemptions": sched.num_preemptions}
+        import msgspec
+
+        if not self.has_unfinished_requests() and self.core.dead is None:
+            try:  # idle: what is queued is only stats (and tokens of requests already finished here)
+                while self.core.get_output(0) is not None:
+                    pass
+            except EngineDeadError:
+                pass  # the last stats stand; the next request gets the error
+        return msgspec.structs.asdict(self.core.stats)
+
+    def is_alive(self) -> bool:
+        """False once the core's process is gone (always True for an in-process core)."""
+        return isinstance(self.core, EngineCore) or self.core.dead is None
+
+    def shutdown(self) -> None:
+        """End the core's process (multiprocess); nothing to do for an in-process core."""
+        if not isinstance(self.core, EngineCore):
+            self.core.shutdown()
 
     @property
     def states(self) -> dict[str, RequestState]:
@@ -185,9 +236,13 @@ class Engine:
         self.output_processor.drop(ids)
 
     def has_unfinished_requests(self) -> bool:
+        if not isinstance(self.core, EngineCore):  # what the front end still waits for
+            return bool(self.states) or bool(self._deferred)
         return self.core.has_unfinished_requests() or bool(self._deferred)
 
     def get_num_unfinished_requests(self) -> int:
+        if not isinstance(self.core, EngineCore):
+            return len(self.states)
         return self.scheduler.num_running + self.scheduler.num_waiting
 
     # ---- stepping -------------------------------------------------------------------------
@@ -198,6 +253,8 @@ class Engine:
         if self._deferred:
             out, self._deferred = self._deferred, []
             return out
+        if not isinstance(self.core, EngineCore):
+            return self._step_remote(self.core)
         try:
             core_outputs = self.core.step()
         except BaseException:
@@ -207,6 +264,19 @@ class Engine:
             self.output_processor.drop([rid for rid in self.states if rid not in live])
             raise
         return self._process(core_outputs)
+
+    def _step_remote(self, client: "CoreClient") -> list[RequestOutput]:
+        """The core's next outputs, if any came within ``_OUTPUT_POLL_S``; a step the core reports
+        failed drops its requests here and raises after keeping the outputs of the step before."""
+        out = client.get_output(_OUTPUT_POLL_S)
+        if out is None:
+            return []
+        outputs = self._process(out.outputs)
+        if out.error is not None:
+            self.output_processor.drop(out.failed_request_ids)
+            self._deferred = outputs
+            raise RuntimeError(out.error)
+        return outputs
 
     def _process(self, core_outputs: list[CoreOutput]) -> list[RequestOutput]:
         outputs, stopped = self.output_processor.process(core_outputs)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import threading
+import time
 from typing import Any
 
 from kvserve.arg_utils import add_engine_args, engine_kwargs
@@ -50,13 +52,30 @@ def run(args: argparse.Namespace) -> int:
             "--skip-tokenizer-init is only supported offline (LLM, kvserve bench throughput)."
         )
     api_key = args.api_key or os.environ.get("VLLM_API_KEY") or os.environ.get("KVSERVE_API_KEY")
-    async_llm = AsyncLLM.from_engine_args(EngineArgs(**engine_kwargs(args)))
+    # the engine core in its own process (vLLM v1); VLLM_ENABLE_V1_MULTIPROCESSING=0 keeps it in this one
+    multiprocess = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0"
+    async_llm = AsyncLLM.from_engine_args(EngineArgs(**engine_kwargs(args)), multiprocess=multiprocess)
     name = args.served_model_name or args.model or str(async_llm.engine.config.model_config.model)
     defaults = generation_config_defaults(str(async_llm.engine.config.model_config.model), args.generation_config)
     app = build_app(async_llm, name, api_key, defaults)
     logger.info("Serving model %s on http://%s:%d", name, args.host, args.port)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level))
+    died = threading.Event()
+
+    def watchdog() -> None:  # vLLM's: a dead engine stops the server (VLLM_WATCHDOG_TIME_S)
+        period = float(os.environ.get("VLLM_WATCHDOG_TIME_S", "5.0"))
+        while not server.should_exit:
+            time.sleep(period)
+            if not async_llm.is_running and not server.should_exit:
+                logger.error("The engine is dead; shutting down the API server.")
+                died.set()
+                server.should_exit = True
+
+    threading.Thread(target=watchdog, name="kvserve-watchdog", daemon=True).start()
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled (uvicorn.run swallows it too)
+        pass
     finally:
         async_llm.shutdown()
-    return 0
+    return 1 if died.is_set() else 0
