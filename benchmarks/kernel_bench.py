@@ -405,19 +405,17 @@ class Run:
                             query_fp8=query_fp8, p_shift=8)
 
     def pv_kw(self, name: str) -> dict:
-        """The kernel's keyword for a variant read: fp8q_pv8 (P @ V as an fp8 MMA, where the kernel
-        can), fp8q_km (the decode with the products swapped, ``keys_major``)."""
-        return {"fp8q_pv8": {"pv_fp8": True}, "fp8q_km": {"keys_major": True}}.get(name, {})
+        """The kernel's keyword for the fp8q_pv8 variant (P @ V as an fp8 MMA, where the kernel can)."""
+        return {"pv_fp8": True} if name == "fp8q_pv8" else {}
 
-    def expect(self, q, pool, bt, qlens, slens, scale, quant, num_splits=1, name=None):
+    def expect(self, q, pool, bt, qlens, slens, scale, quant, num_splits=1):
         """The check's ground truth: the reference read, or the quantized-query twin with the
-        kernel's key tile (that of read ``name``) and split-KV parts (``num_splits``)."""
+        kernel's key tile and split-KV parts (``num_splits``)."""
         r = self.impl.reference
         if quant is not None and quant.query_fp8:
             from kvserve.kernels.triton_attention import fp8_query_key_tile
 
-            tile = fp8_query_key_tile(q, pool, max(qlens), q.is_cuda, num_splits > 1,
-                                      keys_major=True if name == "fp8q_km" else None)
+            tile = fp8_query_key_tile(q, pool, max(qlens), q.is_cuda, num_splits > 1)
             return r.paged_attention_fp8_query(q, pool, bt, qlens, slens, scale, quant, tile, num_splits=num_splits)
         return r.paged_attention(q, pool, bt, qlens, slens, scale, quant=quant)
 
@@ -509,8 +507,6 @@ class Run:
                  ("fp8q", self.pool["fp8"], self.quant(query_fp8=True))]
         if self.args.fp8q_pv8:  # the same read with P @ V as an fp8 MMA (JSON only)
             kinds.append(("fp8q_pv8", self.pool["fp8"], self.quant(query_fp8=True)))
-        if self.args.fp8q_keys_major:  # the same read's decode with the products swapped (decode, ragged)
-            kinds.append(("fp8q_km", self.pool["fp8"], self.quant(query_fp8=True)))
         return tuple(kinds)
 
     # ---- b. store
@@ -630,8 +626,6 @@ class Run:
                 out = torch.full_like(q, float("nan"))
                 fns = {}
                 for name, pool, quant in self.caches():
-                    if name == "fp8q_km":  # a decode variant: a prefill is the fp8q read
-                        continue
                     ref.store_kv(k, v, pool, slots, quant)
 
                     def ours(pool=pool, quant=quant, kw=self.pv_kw(name)):
@@ -742,9 +736,6 @@ class Run:
             flops = 2 * 2 * pairs * hq * d
             rows, expect_bf16 = {}, None
             for name, pool, quant in self.caches():
-                if name == "fp8q_km":  # a decode variant: a mixed batch is the fp8q read
-                    continue
-
                 def ours(pool=pool, quant=quant, kw=self.pv_kw(name)):
                     return self.impl.paged_attention(q, pool, bt, qsl, sl, scale, max(qlens), max(slens), quant=quant,
                                                      out=out, **kw)
@@ -825,7 +816,7 @@ class Run:
                     ours()
                     splits = choose_num_splits(b, hk, max(slens), q.device)
                     expect = self.expect(q[rows], pool, bt[rows], [1] * len(rows), [slens[i] for i in rows], scale,
-                                         quant, splits, name)
+                                         quant, splits)
                     self.check(f"{tag} {name} {oname}", rel_err(out[rows], expect),
                                nonfinite=int((~torch.isfinite(out)).sum()))
                     t = self.timer.time(ours, "ragged")
@@ -1001,16 +992,14 @@ class Run:
                                                     order=order, **self.pv_kw(name))
                     got = out if got is None else got
                     splits = choose_num_splits(b, hk, ctx, q.device)
-                    expect = self.expect(q[rows], pool, bt[rows], [1] * len(rows), [ctx] * len(rows), scale, quant, splits,
-                                         name)
+                    expect = self.expect(q[rows], pool, bt[rows], [1] * len(rows), [ctx] * len(rows), scale, quant, splits)
                     err = rel_err(got[rows], expect)
                     self.check(tag, err, nonfinite=int((~torch.isfinite(got)).sum()))
                     if a.smoke:  # off CUDA the auto choice never splits: exercise the split-KV path too
                         out.fill_(float("nan"))
                         self.impl.paged_attention(q, pool, bt, qsl, sl, scale, 1, ctx, quant=quant, out=out, num_splits=2,
                                                   **self.pv_kw(name))
-                        expect = self.expect(q[rows], pool, bt[rows], [1] * len(rows), [ctx] * len(rows), scale, quant, 2,
-                                             name)
+                        expect = self.expect(q[rows], pool, bt[rows], [1] * len(rows), [ctx] * len(rows), scale, quant, 2)
                         self.check(tag + " num_splits=2", rel_err(out[rows], expect),
                                    nonfinite=int((~torch.isfinite(out)).sum()))
                     del expect, got
@@ -1029,7 +1018,7 @@ class Run:
                     line.append(f"{name} {t['ms'] * 1e3:8.1f}us {bw:5.0f}GB/s {fmt(row['pct_copy'], '.0f')}%")
                 except Exception as e:
                     self.error(tag, e)
-            for name in ("fp8", "fp8q", "fp8q_km"):
+            for name in ("fp8", "fp8q"):
                 if name in ms_of and "bf16" in ms_of:
                     line.append(f"{name}x {ms_of['bf16'] / ms_of[name]:.2f}")
             if a.flex and (b, ctx) in self.flex_points:
@@ -1428,8 +1417,6 @@ def parse_args(argv=None):
                         "its Triton kernel as a decode peer (default $VLLM_TRITON_SRC; off when unset)")
     p.add_argument("--fp8q-pv8", action="store_true",
                    help="also the quantized-query read with P @ V as an fp8 MMA in prefill tiles (JSON: fp8q_pv8)")
-    p.add_argument("--fp8q-keys-major", action="store_true",
-                   help="also the quantized-query decode with the products swapped (keys_major; JSON: fp8q_km)")
     p.add_argument("--no-bigpool", dest="bigpool", action="store_false", help="--smoke: skip the >2^31-element pool check")
     p.add_argument("--batches", type=ints, default=None)
     p.add_argument("--contexts", type=ints, default=None)

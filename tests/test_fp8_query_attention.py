@@ -30,14 +30,12 @@ def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
     return float((x.double() - ref.double()).norm() / ref.double().norm())
 
 
-def _tile_n(b: Batch, num_splits: int, keys_major: bool) -> int:
+def _tile_n(b: Batch, num_splits: int) -> int:
     """The kernel's key tile for this batch (the twin's P rounding follows it)."""
-    return triton_attention.fp8_query_key_tile(b.query, b.kv_cache, max(b.query_lens), ON_GPU, num_splits > 1,
-                                               keys_major)
+    return triton_attention.fp8_query_key_tile(b.query, b.kv_cache, max(b.query_lens), ON_GPU, num_splits > 1)
 
 
-def _check(b: Batch, quant: CacheQuant, num_splits: int = 1, pv_fp8: bool | None = None,
-           keys_major: bool | None = None) -> dict:
+def _check(b: Batch, quant: CacheQuant, num_splits: int = 1, pv_fp8: bool | None = None) -> dict:
     """Kernel vs twin within the twin's own spread; returns the measured figures.
 
     The kernel runs with fp16 MMAs on the e4m3 values on a GPU (exact products, fp32 sums, like the
@@ -48,17 +46,14 @@ def _check(b: Batch, quant: CacheQuant, num_splits: int = 1, pv_fp8: bool | None
     from the twin, against 2e-5 to 7e-5 for the fp16 MMAs). That run is held to 4x the twin's spread
     under the same hardware (its scores from torch's fp8 GEMM with fast accumulation)."""
     scale = b.query.shape[-1] ** -0.5
-    keys_major = triton_attention.KEYS_MAJOR_DECODE if keys_major is None else keys_major
-    args = (b.query, b.kv_cache, b.block_tables, b.query_lens, b.seq_lens, scale, quant,
-            _tile_n(b, num_splits, keys_major))
+    args = (b.query, b.kv_cache, b.block_tables, b.query_lens, b.seq_lens, scale, quant, _tile_n(b, num_splits))
     twin = reference.paged_attention_fp8_query(*args, num_splits=num_splits)
     spread = _rel(twin, reference.paged_attention_fp8_query(*args, compute=torch.float64, num_splits=num_splits))
 
     def run(**kw) -> torch.Tensor:
         out = torch.full(b.query.shape, math.nan, dtype=b.query.dtype, device=DEV)
         got = triton_attention.paged_attention(b.query, b.kv_cache, scale=scale, quant=quant, out=out,
-                                               num_splits=num_splits, pv_fp8=pv_fp8, keys_major=keys_major, **kw,
-                                               **b.kernel_args())
+                                               num_splits=num_splits, pv_fp8=pv_fp8, **kw, **b.kernel_args())
         assert bool(torch.isfinite(got).all()), "rows left unwritten or poisoned pages read"
         return got
 
@@ -116,17 +111,15 @@ def test_chunks_over_several_query_blocks_match_the_twin():
     _check(b, _quant(8, 0.8))
 
 
-@pytest.mark.parametrize("keys_major", [False, True], ids=["rows", "keys-major"])
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("qd", ["fp32", "bf16"])
-def test_decode_batch_matches_the_twin(qd, num_splits, keys_major):
+def test_decode_batch_matches_the_twin(qd, num_splits):
     """Decode-only, one split or three (each split's own running max, then the merge: the twin
-    splits the same way); contexts up to 5 of the 64-key tiles; the 16-row kernel and the swapped one
-    (keys on the MMA's row side, the query heads its 16-wide side: G = 4 of 16 columns busy)."""
+    splits the same way); contexts up to 5 of the 64-key tiles."""
     seq_lens = [33, 1, 97, 64, 128, 300, 257]
     gen = _gen("fp8q-dec", qd, num_splits)
     b = _make_batch([1] * len(seq_lens), seq_lens, 8, 2, 128, 16, FLOAT[qd], "fp8_e4m3", gen)
-    _check(b, _quant(8), num_splits, keys_major=keys_major)
+    _check(b, _quant(8), num_splits)
 
 
 def test_queries_beyond_e4m3_range_saturate():
@@ -169,5 +162,4 @@ def test_gpu_batches_match_the_twin(hq, hk, d, qd, shift, record_property):
     b = _make_batch([1] * 16, seq_lens, hq, hk, d, 16, FLOAT[qd], "fp8_e4m3", gen)
     splits = triton_attention.choose_num_splits(16, hk, max(seq_lens), b.query.device)
     assert splits > 1
-    record_property("decode", _check(b, _quant(shift, 1.0), num_splits=splits, keys_major=False))
-    record_property("decode_keys_major", _check(b, _quant(shift, 1.0), num_splits=splits, keys_major=True))
+    record_property("decode", _check(b, _quant(shift, 1.0), num_splits=splits))

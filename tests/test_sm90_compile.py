@@ -1,8 +1,8 @@
 """The attention kernel compiles for the H100 / H200 (sm_90) without one: Triton's own compiler and
 bundled ptxas build the cubin ahead of time on this CPU machine. This covers what the interpreter
 cannot: that the quantized-query read of e4m3 pages (fp8 Q K^T and P V, V not K-major) lowers to
-Hopper code at all, for decode (mma.sync tiles; the swapped keys-major kernel: wgmma, fp8 Q K^T) and prefill (wgmma tiles, fp8
-operands: the fp8 tensor cores the path exists for), head 128 and 256, P V in fp8 and in fp16, and that the
+Hopper code at all, for decode (mma.sync tiles) and prefill (wgmma tiles, fp8 operands: the fp8
+tensor cores the path exists for), head 128 and 256, P V in fp8 and in fp16, and that the
 dequantizing read and bf16 pages still do.
 
 The compile runs in a subprocess without TRITON_INTERPRET (the test session sets it: the kernels are
@@ -30,8 +30,6 @@ VARIANTS = [
     ("prefill-h128-fp8q-pv16", 4096, 128, 4, True, True, False),
     ("prefill-h256-fp8-dequant", 4096, 256, 6, True, False, False),
     ("decode-h128-bf16", 1, 128, 4, False, False, False),
-    ("decode-h128-fp8q-keys-major", 1, 128, 4, True, True, False),  # the swapped decode kernel
-    ("decode-h256-fp8q-keys-major", 1, 256, 6, True, True, False),
 ]
 
 SCRIPT = r"""
@@ -41,27 +39,21 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kvserve.kernels import triton_attention as ta
 
+fn = ta._attention_kernel
+names = fn.arg_names
 POINTERS = {"out_ptr": "*bf16", "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "q_ptr": "*bf16",
             "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_ptr": "*i32", "order_ptr": "*i32",
             "k_scale_ptr": "*fp32",
             "v_scale_ptr": "*fp32", "q_scale_ptr": "*fp32", "inv_q_scale_ptr": "*fp32"}
 out = {}
 for name, qlen, head, g, fp8, qfp8, pv_fp8 in json.loads(sys.argv[1]):
-    keys_major = name.endswith("keys-major")
-    bm, tn, warps, stages, maxnreg = ta._tile_config(qlen, g, head, True, fp8, False, False, keys_major)
-    if keys_major:
-        fn = ta._keys_major_decode_kernel
-        const = dict(G=g, GP=bm, HEAD=head, HEAD_PAD=head, PAGE=16, TILE_N=tn, P_SHIFT=8, FP16_QK=False,
-                     SPLIT=False, ORDERED=True, HK=8, PDL=False)
-    else:
-        fn = ta._attention_kernel
-        f16 = qfp8 and bm < ta.FP16_MMA_BELOW_ROWS  # 16-row tiles: fp16 MMAs on the e4m3 values
-        # the constexprs paged_attention launches with for this shape (BLOCK_Q = BLOCK_M // G, as it computes)
-        const = dict(G=g, BLOCK_M=bm, BLOCK_Q=bm // g, HEAD=head, HEAD_PAD=head, PAGE=16,
-                     TILE_N=tn, FP8=fp8, IEEE=False, SPLIT=False, PDL=False, QUERY_FP8=qfp8,
-                     P_SHIFT=8 if qfp8 else 0, PV_FP8=pv_fp8 and not f16, HEAVY_FIRST=True, FP16_MMA=f16,
-                     DECODE=qlen == 1, ORDERED=qlen == 1, HK=8)
-    names = fn.arg_names
+    bm, tn, warps, stages, maxnreg = ta._tile_config(qlen, g, head, True, fp8, False, False)
+    f16 = qfp8 and bm < ta.FP16_MMA_BELOW_ROWS  # decode tiles: fp16 MMAs on the e4m3 values
+    # the constexprs paged_attention launches with for this shape (BLOCK_Q = BLOCK_M // G, as it computes)
+    const = dict(G=g, BLOCK_M=bm, BLOCK_Q=bm // g, HEAD=head, HEAD_PAD=head, PAGE=16,
+                 TILE_N=tn, FP8=fp8, IEEE=False, SPLIT=False, PDL=False, QUERY_FP8=qfp8,
+                 P_SHIFT=8 if qfp8 else 0, PV_FP8=pv_fp8 and not f16, HEAVY_FIRST=True, FP16_MMA=f16,
+                 DECODE=qlen == 1, ORDERED=qlen == 1, HK=8)
     sig = {n: "constexpr" if n in const else POINTERS.get(n) or ("fp32" if n == "qk_scale" else "i32") for n in names}
     sig["cache_ptr"] = "*fp8e4nv" if fp8 else "*bf16"  # fp8 pages are read through an e4m3 view
     # what a launch tells the compiler: pointers and the cache's / heads' strides are multiples of 16
@@ -116,8 +108,7 @@ def test_attention_compiles_for_sm90(compiled, variant):
     got = compiled[name]
     assert "error" not in got, got.get("error")
     assert got["cubin_bytes"] > 10_000  # a real kernel's machine code, not an empty module
-    keys_major = name.endswith("keys-major")  # the swapped decode: its keys are the MMA's 64-row side
-    assert got["wgmma"] == (qlen > 1 or keys_major), "64+ rows a tile use Hopper's wgmma, 16 rows mma.sync"
+    assert got["wgmma"] == (qlen > 1), "prefill tiles (>= 64 rows) use Hopper's wgmma, decode's 16 rows mma.sync"
     assert got["async_copies"] > 0, "the page loads are not pipelined (cp.async into shared memory)"
 
 
@@ -127,14 +118,6 @@ def test_quantized_query_prefill_runs_on_fp8_tensor_cores(compiled):
     assert compiled["prefill-h128-fp8q"]["fp8_operands"] and compiled["prefill-h256-fp8q"]["fp8_operands"]
     assert not compiled["prefill-h256-fp8-dequant"]["fp8_operands"]
     assert not compiled["decode-h128-bf16"]["fp8_operands"]
-
-
-def test_quantized_query_decode_runs_on_fp8_tensor_cores(compiled):
-    """With the products swapped (keys on the MMA's row side), the decode's Q K^T takes the K tile as
-    stored: an fp8 wgmma, where the 16-row tiles converted K to fp16 for a mma.sync."""
-    assert compiled["decode-h128-fp8q-keys-major"]["fp8_operands"]
-    assert compiled["decode-h256-fp8q-keys-major"]["fp8_operands"]
-    assert not compiled["decode-h128-fp8q"]["fp8_operands"]
 
 
 def test_fp8_pages_reach_the_mma_by_async_copy(compiled):

@@ -51,15 +51,6 @@ HEAVY_FIRST = True
 # (decode tiles: mma.sync, where an fp8 operand is converted anyway, and its fp8 K tile spilled
 # at 128 keys); wgmma tiles (64+ rows) multiply the fp8 operands on fp8 tensor cores.
 FP16_MMA_BELOW_ROWS = 64
-# The quantized query's decode with the products swapped (``_keys_major_decode_kernel``): S^T = K Q^T
-# puts a tile's keys on the MMA's 64-row side, so Q K^T is an fp8 wgmma on the K tile as stored (its
-# dims contiguous: the K-major operand the fp8 MMA takes) with no conversion, and the G query heads
-# are the 16-wide side instead of 16 padded rows of a mma.sync; O^T = V^T P^T is an fp16 wgmma on the
-# e4m3 values (exact products). Built and checked on the CPU (interpreter vs the twin; sm_90 cubins:
-# 137 registers, no spills at head 128) but not yet timed on a GPU (2026-12-06: no device machine
-# could be started), so the default stays the 16-row tiles of ``_attention_kernel``.
-KEYS_MAJOR_DECODE = False
-KEYS_MAJOR_TILE = (64, 3, 0)  # (keys a tile, pipeline stages, register cap; 0 = none)
 
 
 @triton.jit
@@ -333,98 +324,6 @@ def _attention_kernel(
         tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
 
 
-@triton.jit
-def _keys_major_tile(
-    t, m_i, l_i, acc, q_t, seq_len, scale2, cache_ptr, table, kv_head,
-    stride_cb, stride_ckv, stride_cs, stride_ch,
-    HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, PAGE: tl.constexpr, TILE_N: tl.constexpr,
-    P_SHIFT: tl.constexpr, FP16_QK: tl.constexpr, MASKED: tl.constexpr,
-):
-    """One tile of ``TILE_N`` keys for the swapped decode: s^T [TILE_N, GP] = K Q^T (fp8 operands),
-    the online softmax along the keys (axis 0), acc^T [HEAD_PAD, GP] += V^T e4m3(P^T) in fp16. The
-    same math as ``_attend_tile``'s quantized-query read, transposed."""
-    n, k, v = _load_kv_tile(t, seq_len, cache_ptr, table, kv_head, stride_cb, stride_ckv, stride_cs, stride_ch,
-                            HEAD, HEAD_PAD, PAGE, TILE_N, MASKED)
-    if MASKED:
-        n_ok = n < seq_len
-    if FP16_QK:  # exact products, fp32 sums (the fp8 wgmma's fast accumulation keeps fewer bits)
-        s = tl.dot(k.to(tl.float16), q_t.to(tl.float16))
-    else:
-        s = tl.dot(k, q_t)  # [TILE_N, GP]: the keys on the MMA's row side
-    if MASKED:
-        s = tl.where(n_ok[:, None], s * scale2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - _shifted(m_safe, P_SHIFT)[None, :])
-    else:
-        m_new = tl.maximum(m_i, tl.max(s, axis=0) * scale2)
-        m_safe = m_new
-        p = tl.exp2(s * scale2 - _shifted(m_safe, P_SHIFT)[None, :])
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, axis=0)
-    pv = tl.dot(tl.trans(v.to(tl.float16)), p.to(tl.float8e4nv).to(tl.float16))  # exact: e4m3 values in fp16
-    acc = acc * alpha[None, :] + pv
-    return m_new, l_i, acc
-
-
-@triton.jit(do_not_specialize=["num_splits", "stride_bt", "stride_qt", "stride_ot"])
-def _keys_major_decode_kernel(
-    out_ptr, part_acc_ptr, part_ml_ptr,
-    q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, order_ptr,
-    k_scale_ptr, v_scale_ptr, q_scale_ptr, inv_q_scale_ptr, qk_scale,
-    stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_cb, stride_ckv, stride_cs, stride_ch,
-    stride_bt, num_splits,
-    G: tl.constexpr, GP: tl.constexpr, HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, PAGE: tl.constexpr,
-    TILE_N: tl.constexpr, P_SHIFT: tl.constexpr, FP16_QK: tl.constexpr, SPLIT: tl.constexpr,
-    ORDERED: tl.constexpr, HK: tl.constexpr, PDL: tl.constexpr,
-):
-    """The quantized query's decode (one token a sequence), products swapped; program i is (sequence
-    rank i // HK, KV head i % HK), split-KV part ``program_id(2)``; partials as ``_attention_kernel``'s."""
-    pdl.start(PDL)
-    seq, kv_head, q_start, q_len = _decode_program(query_start_ptr, order_ptr, HK, ORDERED)
-    split = tl.program_id(2)
-    seq_len = tl.where(q_len > 0, tl.load(seq_lens_ptr + seq), 0)  # a sequence without a token reads nothing
-    g = tl.arange(0, GP)
-    head = kv_head * G + g
-    g_ok = g < tl.where(q_len > 0, G, 0)  # the G heads of a sequence with a token
-    d = tl.arange(0, HEAD_PAD)
-    d_ok = d < HEAD
-    q = tl.load(q_ptr + q_start * stride_qt + head[:, None] * stride_qh + d[None, :],
-                mask=g_ok[:, None] & d_ok[None, :], other=0.0)
-    # vLLM's QuantFP8, as in _attention_kernel
-    q = tl.minimum(tl.maximum(q.to(tl.float32) * tl.load(inv_q_scale_ptr), -448.0), 448.0).to(tl.float8e4nv)
-    q_t = tl.trans(q)  # [HEAD_PAD, GP]
-    scale2 = (qk_scale * 1.4426950408889634) * (tl.load(q_scale_ptr) * tl.load(k_scale_ptr))
-    tile_lo, tile_hi = _split_tiles(seq_len, split, num_splits, TILE_N)
-    m_i = tl.full([GP], float("-inf"), tl.float32)
-    l_i = tl.zeros([GP], tl.float32)
-    acc = tl.zeros([HEAD_PAD, GP], tl.float32)
-    table = block_tables_ptr + seq * stride_bt
-    full_end = tl.minimum(tl.maximum(seq_len // TILE_N, tile_lo), tile_hi)  # tiles wholly in range: no masks
-    for t in range(tile_lo, full_end):
-        m_i, l_i, acc = _keys_major_tile(
-            t, m_i, l_i, acc, q_t, seq_len, scale2, cache_ptr, table, kv_head,
-            stride_cb, stride_ckv, stride_cs, stride_ch, HEAD, HEAD_PAD, PAGE, TILE_N, P_SHIFT, FP16_QK, False,
-        )
-    for t in range(full_end, tile_hi):
-        m_i, l_i, acc = _keys_major_tile(
-            t, m_i, l_i, acc, q_t, seq_len, scale2, cache_ptr, table, kv_head,
-            stride_cb, stride_ckv, stride_cs, stride_ch, HEAD, HEAD_PAD, PAGE, TILE_N, P_SHIFT, FP16_QK, True,
-        )
-    v_mul = tl.load(v_scale_ptr)
-    if not SPLIT:
-        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-        o = acc * ((1.0 / l_safe) * v_mul)[None, :]  # [HEAD_PAD, GP] (FlashAttention 3's finalize)
-        tl.store(out_ptr + q_start * stride_ot + head[None, :] * stride_oh + d[:, None],
-                 o.to(out_ptr.dtype.element_ty), mask=g_ok[None, :] & d_ok[:, None])
-    else:
-        part = (q_start * (G * HK) + head) * num_splits + split
-        tl.store(part_acc_ptr + part[None, :] * HEAD_PAD + d[:, None], acc * v_mul, mask=g_ok[None, :])
-        tl.store(part_ml_ptr + part * 2, m_i, mask=g_ok)
-        tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=g_ok)
-
-
 @triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(
     out_ptr, part_acc_ptr, part_ml_ptr, stride_ot, stride_oh, num_heads, num_splits,
@@ -465,7 +364,7 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device
 
 def _tile_config(
     max_query_len: int, group: int, head_pad: int, is_cuda: bool, fp8: bool = False, split: bool = False,
-    ieee: bool = False, keys_major: bool = False,
+    ieee: bool = False,
 ) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, TILE_N, num_warps, num_stages, maxnreg; 0 = no cap) for the batch shape (tuned on
     the H200 with probes now in git history, findings in benchmarks/HISTORY.md: decode
@@ -475,9 +374,6 @@ def _tile_config(
     decodes in the same tiles: its fp16 MMAs on the e4m3 values fit the cap with no spill (ptxas for
     sm_90, Triton 3.6, docs/GPU.md)."""
     g = triton.next_power_of_2(group)
-    if max_query_len == 1 and keys_major:
-        # BLOCK_M = the query heads, padded (the MMA's 16-wide side); TILE_N keys (its row side)
-        return max(16, g), KEYS_MAJOR_TILE[0], 4, (KEYS_MAJOR_TILE[1] if is_cuda else 1), KEYS_MAJOR_TILE[2]
     if max_query_len == 1:
         block_m = max(16, g)  # one decode token x G heads, padded for tl.dot
         if fp8:
@@ -496,15 +392,12 @@ def _tile_config(
 
 def fp8_query_key_tile(
     query: torch.Tensor, kv_cache: torch.Tensor, max_query_len: int, is_cuda: bool, split: bool = False,
-    keys_major: bool | None = None,
 ) -> int:
     """The key tile of the quantized-query read for this batch shape, as ``paged_attention`` picks it
     on a CUDA device (``is_cuda``) or off one: the twin (``reference.paged_attention_fp8_query``)
-    rounds P per tile, so it takes this tile. ``keys_major`` None: ``KEYS_MAJOR_DECODE``."""
+    rounds P per tile, so it takes this tile."""
     group, head_pad = query.shape[1] // kv_cache.shape[3], triton.next_power_of_2(query.shape[2])
-    keys_major = KEYS_MAJOR_DECODE if keys_major is None else keys_major
-    return _tile_config(max_query_len, group, head_pad, is_cuda, True, split, query.dtype == torch.float32,
-                        max_query_len == 1 and keys_major)[1]
+    return _tile_config(max_query_len, group, head_pad, is_cuda, True, split, query.dtype == torch.float32)[1]
 
 
 def paged_attention(
@@ -524,7 +417,6 @@ def paged_attention(
     heavy_first: bool | None = None,
     fp16_mma: bool | None = None,
     order: torch.Tensor | None = None,
-    keys_major: bool | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of every sequence's new tokens; see the module docstring.
 
@@ -537,9 +429,7 @@ def paged_attention(
     rows a program); ``heavy_first`` the launch order of the query blocks (None: ``HEAVY_FIRST``).
     Decode-only batches (``max_query_len`` 1) run one program per (sequence, KV head), in the
     order of ``order`` [B] int32 where given (a permutation of the sequences, longest first:
-    ``layers.attention.decode_order``), else in batch order. ``keys_major``: the quantized query's
-    decode in the swapped kernel (``_keys_major_decode_kernel``; None: ``KEYS_MAJOR_DECODE``), where
-    ``fp16_mma`` True makes its Q K^T an fp16 MMA. Returns ``out`` [T, Hq, D]."""
+    ``layers.attention.decode_order``), else in batch order. Returns ``out`` [T, Hq, D]."""
     num_tokens, num_heads, head = query.shape
     _, _, page, num_kv_heads, head_c = kv_cache.shape
     assert head_c == head and num_heads % num_kv_heads == 0, "query / cache shapes do not match"
@@ -556,13 +446,10 @@ def paged_attention(
     group = num_heads // num_kv_heads
     head_pad = triton.next_power_of_2(head)
     is_cuda = query.device.type == "cuda"
-    keys_major = max_query_len == 1 and quant is not None and quant.query_fp8 and (
-        KEYS_MAJOR_DECODE if keys_major is None else keys_major)
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, query.device) if max_query_len == 1 else 1
     block_m, tile_n, num_warps, num_stages, *maxnreg = tiles or _tile_config(
         max_query_len, group, head_pad, is_cuda, quant is not None, num_splits > 1, query.dtype == torch.float32,
-        keys_major,
     )
     launch_opts = {"maxnreg": maxnreg[0]} if is_cuda and maxnreg and maxnreg[0] else {}
     block_q = block_m // group  # G = 6 (head 256): 21 tokens, 126 of 128 rows busy (G padded to 8: 16 tokens, 96)
@@ -591,38 +478,25 @@ def paged_attention(
     else:
         grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
     ordered = decode and order is not None
-    if keys_major:
-        _keys_major_decode_kernel[grid](
-            out, part_acc, part_ml,
-            query, cache, block_tables, seq_lens, query_start_loc, order if ordered else seq_lens,
-            k_scale_t, v_scale_t, q_scale_t, inv_q_scale_t, float(scale),
-            query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-            cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
-            block_tables.stride(0), num_splits,
-            G=group, GP=block_m, HEAD=head, HEAD_PAD=head_pad, PAGE=page, TILE_N=tile_n, P_SHIFT=quant.p_shift,
-            FP16_QK=bool(fp16_mma), SPLIT=num_splits > 1, ORDERED=ordered, HK=num_kv_heads,
-            num_warps=num_warps, num_stages=num_stages, **launch_opts, **pdl.launch_options(query.device),
-        )
-    else:
-        _attention_kernel[grid](
-            out, part_acc, part_ml,
-            query, cache, block_tables, seq_lens, query_start_loc, order if ordered else seq_lens,
-            k_scale_t, v_scale_t, q_scale_t, inv_q_scale_t, float(scale),
-            num_seqs,
-            query.stride(0), query.stride(1),
-            out.stride(0), out.stride(1),
-            cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
-            block_tables.stride(0),
-            num_splits,
-            G=group, BLOCK_M=block_m, BLOCK_Q=block_q,
-            HEAD=head, HEAD_PAD=head_pad, PAGE=page, TILE_N=tile_n,
-            FP8=fp8, IEEE=query.dtype == torch.float32,
-            SPLIT=num_splits > 1, QUERY_FP8=query_fp8, P_SHIFT=quant.p_shift if query_fp8 else 0,
-            PV_FP8=(PV_FP8 if pv_fp8 is None else pv_fp8) and not fp16_mma_on,
-            HEAVY_FIRST=HEAVY_FIRST if heavy_first is None else heavy_first,
-            FP16_MMA=fp16_mma_on, DECODE=decode, ORDERED=ordered, HK=num_kv_heads,
-            num_warps=num_warps, num_stages=num_stages, **launch_opts, **pdl.launch_options(query.device),
-        )
+    _attention_kernel[grid](
+        out, part_acc, part_ml,
+        query, cache, block_tables, seq_lens, query_start_loc, order if ordered else seq_lens,
+        k_scale_t, v_scale_t, q_scale_t, inv_q_scale_t, float(scale),
+        num_seqs,
+        query.stride(0), query.stride(1),
+        out.stride(0), out.stride(1),
+        cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
+        block_tables.stride(0),
+        num_splits,
+        G=group, BLOCK_M=block_m, BLOCK_Q=block_q,
+        HEAD=head, HEAD_PAD=head_pad, PAGE=page, TILE_N=tile_n,
+        FP8=fp8, IEEE=query.dtype == torch.float32,
+        SPLIT=num_splits > 1, QUERY_FP8=query_fp8, P_SHIFT=quant.p_shift if query_fp8 else 0,
+        PV_FP8=(PV_FP8 if pv_fp8 is None else pv_fp8) and not fp16_mma_on,
+        HEAVY_FIRST=HEAVY_FIRST if heavy_first is None else heavy_first,
+        FP16_MMA=fp16_mma_on, DECODE=decode, ORDERED=ordered, HK=num_kv_heads,
+        num_warps=num_warps, num_stages=num_stages, **launch_opts, **pdl.launch_options(query.device),
+    )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
             out, part_acc, part_ml, out.stride(0), out.stride(1), num_heads, num_splits,
