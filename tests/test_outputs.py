@@ -320,3 +320,35 @@ def test_all_reference_texts_match_vllm(golden_run):
         if (ids, text, stream[-1].outputs[0].finish_reason) != (ref["output_token_ids"], ref["text"], ref["finish_reason"]):
             mismatched.append(pid)
     assert not mismatched
+
+
+def test_a_slow_consumer_gets_the_missed_steps_folded_into_one_output(make_tiny_model):
+    """AsyncLLM's one-slot collector (vLLM's): a stream read late yields fewer, larger DELTA outputs
+    whose concatenation is exactly what a prompt reader gets, text and token ids, for n = 2."""
+    import asyncio
+
+    from kvserve.config import EngineArgs
+    from kvserve.engine.async_llm import AsyncLLM
+    from kvserve.engine.sampling import SamplingParams
+
+    llm = AsyncLLM.from_engine_args(EngineArgs(model=str(make_tiny_model("llama")), dtype="float32",
+                                               kv_cache_memory=1 << 22, device="cpu"))
+    params = SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=24, ignore_eos=True)
+
+    async def read(rid: str, pause_s: float) -> tuple[int, dict]:
+        events, text, ids = 0, {0: "", 1: ""}, {0: [], 1: []}
+        async for out in llm.generate("a b c d", params, rid):
+            events += 1
+            for c in out.outputs:
+                text[c.index] += c.text
+                ids[c.index] += c.token_ids
+            await asyncio.sleep(pause_s)  # the engine runs ahead meanwhile
+        return events, {i: (text[i], ids[i]) for i in (0, 1)}
+
+    try:
+        prompt_events, prompt_out = asyncio.run(read("prompt", 0.0))
+        slow_events, slow_out = asyncio.run(read("slow", 0.3))
+    finally:
+        llm.shutdown()
+    assert slow_out == prompt_out and all(len(v[1]) == 24 for v in slow_out.values())
+    assert prompt_events >= 24 and slow_events < prompt_events / 2, (prompt_events, slow_events)

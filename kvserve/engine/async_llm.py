@@ -2,7 +2,8 @@
 
 Only the engine thread touches the ``Engine`` (it is not thread-safe). Callers talk to it through
 a thread-safe inbox of commands (add / abort / call / stop); outputs come back to each request's
-``asyncio.Queue`` through ``loop.call_soon_threadsafe``. Validation errors of ``add_request``
+one-slot collector through ``loop.call_soon_threadsafe`` (a consumer that falls behind gets the
+steps it missed as one output). Validation errors of ``add_request``
 reach the caller of ``generate`` as the original exception (a concurrent Future rides with the add
 command). A failing step aborts the requests of that step (the engine frees their blocks) and
 delivers the error to their streams; the loop itself keeps running.
@@ -36,10 +37,34 @@ class StatObserver(Protocol):
     def on_finished(self, finish_reason: str, e2e_s: float, num_generation_tokens: int) -> None: ...
 
 
+class _OutputCollector:
+    """A request's outputs on their way to its consumer, in one slot (vLLM's RequestOutputCollector):
+    a consumer that falls behind the engine gets the steps it missed folded into one DELTA output
+    (``RequestOutput.add``), one event instead of one per step; an error replaces what waits.
+    Used on the consumer's event loop only."""
+
+    def __init__(self) -> None:
+        self._item: Any = None
+        self._ready = asyncio.Event()
+
+    def put_nowait(self, item: Any) -> None:
+        if isinstance(self._item, RequestOutput) and isinstance(item, RequestOutput):
+            self._item.add(item)
+        elif not isinstance(self._item, BaseException):
+            self._item = item
+        self._ready.set()
+
+    async def get(self) -> Any:
+        await self._ready.wait()
+        item, self._item = self._item, None
+        self._ready.clear()
+        return item
+
+
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    queue: _OutputCollector
     arrival: float = field(default_factory=time.monotonic)
     last_token: dict[int, float] = field(default_factory=dict)  # per choice index
     num_generation_tokens: int = 0
@@ -52,7 +77,7 @@ class _Stream:
             pass
 
 
-def _deliver(items: list[tuple[asyncio.Queue, Any]]) -> None:
+def _deliver(items: list[tuple[_OutputCollector, Any]]) -> None:
     for q, item in items:
         q.put_nowait(item)
 
@@ -115,7 +140,7 @@ class AsyncLLM:
         self._check_alive()
         params = params.clone()
         params.output_kind = RequestOutputKind.DELTA
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = _Stream(asyncio.get_running_loop(), _OutputCollector())
         added: concurrent.futures.Future = concurrent.futures.Future()
         self._inbox.put(("add", request_id, prompt, params, stream, added))
         try:
@@ -281,7 +306,7 @@ class AsyncLLM:
             return
         now = time.monotonic()
         # one wake-up per event loop per step (not one per request): cheaper on a busy CPU
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[_OutputCollector, RequestOutput]]] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:

@@ -54,6 +54,29 @@ class RequestOutput:
     kv_transfer_params: dict[str, Any] | None = None
 
 
+    def add(self, later: "RequestOutput") -> None:
+        """Fold a later DELTA output of the same request into this one (vLLM's ``RequestOutput.add``
+        with ``aggregate``): per choice index, text, token ids and logprobs are appended and the
+        later finish state wins; a choice seen only in ``later`` is appended."""
+        mine = {c.index: c for c in self.outputs}
+        for c in later.outputs:
+            prev = mine.get(c.index)
+            if prev is None:
+                self.outputs.append(c)
+                mine[c.index] = c
+                continue
+            prev.text += c.text
+            prev.token_ids = prev.token_ids + c.token_ids
+            if c.logprobs is not None:
+                prev.logprobs = (prev.logprobs or []) + c.logprobs
+            prev.cumulative_logprob = c.cumulative_logprob
+            prev.finish_reason, prev.stop_reason = c.finish_reason, c.stop_reason
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = later.prompt_logprobs
+        self.finished = later.finished
+        self.num_cached_tokens = later.num_cached_tokens
+
+
 @dataclass
 class RequestState:
     """What the output side keeps per request: shared prompt objects, detokenizer, progress."""
