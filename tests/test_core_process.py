@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 
@@ -19,7 +20,7 @@ from kvserve.engine.core_client import CoreClient
 from kvserve.engine.exceptions import EngineDeadError
 from kvserve.engine.core_messages import ENCODER, REQUEST_DECODERS, AddRequest, RequestType, params_of
 from kvserve.engine.request import RequestStatus
-from kvserve.engine.sampling import SamplingParams
+from kvserve.engine.sampling import RequestOutputKind, SamplingParams
 
 
 def _config(folder, **kw):
@@ -98,6 +99,7 @@ def test_core_process_gives_the_in_process_tokens(tiny, one_thread):
     finally:
         client.shutdown()
     assert not client.proc.is_alive()
+    assert not any(os.path.exists(a.removeprefix("ipc://")) for a in (client.input_address, client.output_address))
 
 
 def test_abort_crosses_the_boundary_and_frees_the_blocks(tiny):
@@ -172,6 +174,7 @@ def test_core_exits_when_its_front_end_is_killed(tiny, tmp_path):
             cfg = EngineArgs(model={str(tiny)!r}, dtype="float32", max_num_seqs=4, max_model_len=128,
                              skip_tokenizer_init=True, kv_cache_memory=1 << 22, device="cpu").create_engine_config()
             client = CoreClient(cfg)
+            print(client.input_address.rsplit("/", 1)[-1], client.output_address.rsplit("/", 1)[-1], flush=True)
             print(client.proc.pid, flush=True)
             os.kill(os.getpid(), 9)
     """))
@@ -179,6 +182,7 @@ def test_core_exits_when_its_front_end_is_killed(tiny, tmp_path):
     assert proc.returncode == -9, proc.stderr[-2000:]
     core_pid = int(proc.stdout.split()[-1])
     assert _wait_gone(core_pid, 10), "the engine core outlived its front end"
+    assert not [f for f in os.listdir(tempfile.gettempdir()) if f in proc.stdout], "ipc socket files left"
 
 
 # ---- the front end over a core process (Engine / AsyncLLM, multiprocess=True) -----------------
@@ -196,13 +200,20 @@ def _final_outputs(engine, prompts: dict, params: SamplingParams) -> dict:
 def test_engine_over_a_core_process_gives_the_in_process_outputs(tiny, one_thread):
     from kvserve.engine.engine import Engine
 
+    # greedy: which requests share a step depends on when the core process receives them, and float32
+    # sums over another batch can move a sampled (temperature) token where the race is close
     prompts = {"a": "the quick brown fox", "b": {"prompt_token_ids": [3, 4, 5]}, "c": "hello"}
-    params = SamplingParams(temperature=0.8, seed=7, n=2, max_tokens=12, stop=[" e", "a"])
+    params = SamplingParams(temperature=0.0, max_tokens=12, stop=[" e", "a"])
     cfg = dict(skip_tokenizer_init=False)
     want = _final_outputs(Engine(_config(tiny, **cfg)), prompts, params)
     remote = Engine(_config(tiny, **cfg), multiprocess=True)
     try:
         assert _final_outputs(remote, prompts, params) == want
+        # n = 2 across the boundary: both choices come back, finished, their text the decode of their ids
+        n2 = SamplingParams(temperature=0.8, seed=7, n=2, max_tokens=12, output_kind=RequestOutputKind.FINAL_ONLY)
+        (pair,) = _final_outputs(remote, {"n2": "hello"}, n2).values()
+        assert len(pair) == 2 and all(len(c[1]) == 12 and c[2] == "length" for c in pair)
+        assert all(c[0] == remote.tokenizer.decode(c[1], skip_special_tokens=True) for c in pair)
         t0 = time.monotonic()  # the core's stats follow the stop-string finishes it was sent
         while remote.stats()["num_running"] and time.monotonic() - t0 < 5:
             time.sleep(0.05)
@@ -222,7 +233,6 @@ def test_async_llm_over_a_core_process_streams_then_reports_its_death(tiny):
     import asyncio
 
     from kvserve.engine.async_llm import AsyncLLM
-    from kvserve.engine.sampling import RequestOutputKind  # noqa: F401  (DELTA is set by AsyncLLM)
 
     llm = AsyncLLM.from_engine_args(EngineArgs(model=str(tiny), dtype="float32", max_num_seqs=4, max_model_len=128,
                                                kv_cache_memory=1 << 22, device="cpu"), multiprocess=True)

@@ -39,7 +39,8 @@ def _ipc_address() -> str:
     return f"ipc://{tempfile.gettempdir()}/kvserve-{uuid.uuid4().hex}"
 
 
-def _stop_process(proc: multiprocessing.process.BaseProcess, ctx: zmq.Context, timeout: float) -> None:
+def _stop_process(proc: multiprocessing.process.BaseProcess, ctx: zmq.Context, timeout: float,
+                  addresses: tuple[str, ...]) -> None:
     if proc.is_alive():
         proc.terminate()
         proc.join(timeout)
@@ -48,6 +49,11 @@ def _stop_process(proc: multiprocessing.process.BaseProcess, ctx: zmq.Context, t
         proc.kill()
         proc.join(5)
     ctx.destroy(linger=0)
+    for address in addresses:  # the ipc socket files the bound sockets left
+        try:
+            os.unlink(address.removeprefix("ipc://"))
+        except FileNotFoundError:
+            pass
 
 
 class CoreClient:
@@ -66,7 +72,8 @@ class CoreClient:
                                args=(config, self.input_address, self.output_address, child_end))
         self.proc.start()
         child_end.close()
-        self._finalizer = weakref.finalize(self, _stop_process, self.proc, self.ctx, 5.0)
+        self._finalizer = weakref.finalize(self, _stop_process, self.proc, self.ctx, 5.0,
+                                           (self.input_address, self.output_address))
         self.dead: str | None = None  # why the core is gone, once it is
         self._closing = False
         self._call_ids = itertools.count(1)

@@ -158,18 +158,25 @@ class EngineCoreProc:
         self.ctx.destroy(linger=0)
 
 
-def _exit_with_parent(parent_end: Connection) -> None:
-    """Block until the parent's end of the pipe closes (it exited, however), then leave at once."""
+def _exit_with_parent(parent_end: Connection, addresses: tuple[str, ...]) -> None:
+    """Block until the parent's end of the pipe closes (it exited, however), then leave at once,
+    taking the ipc socket files a parent that died could not remove."""
     try:
         parent_end.recv()
     except (EOFError, OSError):
         pass
+    for address in addresses:
+        try:
+            os.unlink(address.removeprefix("ipc://"))
+        except OSError:
+            pass
     os._exit(0)
 
 
 def run_engine_core(config: EngineConfig, input_address: str, output_address: str, parent_end: Connection) -> None:
     """The engine-core process (the spawn target)."""
-    threading.Thread(target=_exit_with_parent, args=(parent_end,), daemon=True).start()
+    threading.Thread(target=_exit_with_parent, args=(parent_end, (input_address, output_address)),
+                     daemon=True).start()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the front end's: it shuts the core down
     proc = None
     try:
