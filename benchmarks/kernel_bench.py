@@ -808,9 +808,9 @@ class Run:
                     continue
                 ms = {}
                 for oname, order in orders.items():
-                    def ours(pool=pool, quant=quant, order=order, kw=self.pv_kw(name)):
+                    def ours(pool=pool, quant=quant, order=order):
                         return self.impl.paged_attention(q, pool, bt, qsl, sl, scale, 1, max(slens), quant=quant,
-                                                         out=out, order=order, **kw)
+                                                         out=out, order=order)
 
                     out.fill_(float("nan"))
                     ours()

@@ -64,7 +64,7 @@ class _OutputCollector:
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
-    queue: _OutputCollector
+    collector: _OutputCollector
     arrival: float = field(default_factory=time.monotonic)
     last_token: dict[int, float] = field(default_factory=dict)  # per choice index
     num_generation_tokens: int = 0
@@ -72,7 +72,7 @@ class _Stream:
 
     def put(self, item: Any) -> None:
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            self.loop.call_soon_threadsafe(self.collector.put_nowait, item)
         except RuntimeError:  # the caller's loop is closed: nobody is listening any more
             pass
 
@@ -154,7 +154,7 @@ class AsyncLLM:
         finished = False
         try:
             while True:
-                item = await stream.queue.get()
+                item = await stream.collector.get()
                 if isinstance(item, BaseException):
                     finished = True  # the engine already dropped the request
                     raise item
@@ -316,7 +316,7 @@ class AsyncLLM:
                 del self._streams[out.request_id]
                 reason = next((c.finish_reason for c in reversed(out.outputs) if c.finish_reason), "stop")
                 self._notify_finished(stream, reason, now)
-            batches.setdefault(stream.loop, []).append((stream.queue, out))
+            batches.setdefault(stream.loop, []).append((stream.collector, out))
         for loop, items in batches.items():
             try:
                 loop.call_soon_threadsafe(_deliver, items)

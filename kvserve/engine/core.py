@@ -67,6 +67,7 @@ class EngineCore:
         self.async_scheduling = config.scheduler_config.async_scheduling
         self._pending: tuple[SchedulerOutput, "PendingSamples"] | None = None
         self._deferred: list[CoreOutput] = []  # outputs held back by a failed launch
+        self._failed: list[str] = []  # requests a failed step aborted, until take_failure
         self._sync_ids: set[str] = set()  # live requests whose sampling needs host state (see needs_sync)
         self.runner.host_state_requests = self._sync_ids
         self._max_model_len = config.model_config.max_model_len
@@ -88,11 +89,25 @@ class EngineCore:
                 self.runner.remove_request(rid)
             self._sync_ids.discard(rid)
 
-    def take_deferred(self) -> list[CoreOutput]:
-        """The outputs a failed step held back (the step before it), handed out now instead of by
-        the next ``step``."""
+    def take_failure(self) -> tuple[list[CoreOutput], list[str]]:
+        """After ``step`` raised: the outputs it held back (the step before the failed one), handed
+        out now instead of by the next ``step``, and the requests the failure aborted."""
         out, self._deferred = self._deferred, []
-        return out
+        failed, self._failed = self._failed, []
+        return out, failed
+
+    def _abort_step(self, sched: SchedulerOutput) -> None:
+        """A step failed (its KV not written, or its tokens lost): its requests cannot go on."""
+        ids = [s.request.request_id for s in sched.scheduled]
+        self._failed.extend(ids)
+        self.finish_requests(ids)
+
+    def stats(self) -> dict[str, int]:
+        """Running / waiting requests, free / total KV blocks, preemptions so far."""
+        kv, sched = self.kv_manager, self.scheduler
+        return {"num_running": sched.num_running, "num_waiting": sched.num_waiting,
+                "num_free_blocks": kv.num_free_blocks, "num_total_blocks": kv.pool.num_blocks,
+                "num_preemptions": sched.num_preemptions}
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._pending is not None or bool(self._deferred)
@@ -129,7 +144,7 @@ class EngineCore:
                 launched = self.runner.execute_async(sched)
             except BaseException:
                 self._deferred = self._finish_pending()  # the step before is not lost
-                self.finish_requests([s.request.request_id for s in sched.scheduled])
+                self._abort_step(sched)
                 raise
             for s in sched.scheduled:
                 if s.samples:
@@ -138,7 +153,7 @@ class EngineCore:
             outputs = self._finish_pending()
         except BaseException:
             # the step before failed on the device: this one, launched behind it, cannot stand
-            self.finish_requests([s.request.request_id for s in sched.scheduled])
+            self._abort_step(sched)
             raise
         if launched is not None:
             self._pending = (sched, launched)
@@ -153,7 +168,7 @@ class EngineCore:
         try:
             results = launched.results()
         except BaseException:  # the device failed the step: its requests cannot go on
-            self.finish_requests([s.request.request_id for s in sched.scheduled])
+            self._abort_step(sched)
             raise
         for s in sched.scheduled:
             if s.request.request_id in results:
@@ -171,7 +186,7 @@ class EngineCore:
         except BaseException:
             # The step's KV was not written: its requests cannot go on. Abort them (their blocks
             # and not-yet-confirmed prefix-cache entries are released) and let the caller decide.
-            self.finish_requests([s.request.request_id for s in sched.scheduled])
+            self._abort_step(sched)
             raise
         return self._process(sched.scheduled, results, prompt_logprobs)
 

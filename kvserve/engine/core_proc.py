@@ -18,7 +18,6 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
-import msgspec
 import zmq
 
 from kvserve.config import EngineConfig
@@ -121,13 +120,11 @@ class EngineCoreProc:
 
     def _step(self) -> None:
         core = self.core
-        before = set(core.scheduler.requests)
         try:
             outputs = core.step()
         except Exception as e:  # the core aborted the step's requests: tell their front end
             logger.exception("Engine step failed; aborting the affected requests: %s", e)
-            failed = sorted(before - set(core.scheduler.requests))
-            outputs = core.take_deferred()  # the step before the failed one still counts
+            outputs, failed = core.take_failure()  # the step before the failed one still counts
             self.output_queue.put(msg.CoreOutputs(outputs, self.stats(), failed, f"Engine step failed: {e}"))
             return
         self._send_stats(outputs)
@@ -142,12 +139,10 @@ class EngineCoreProc:
 
     # ---- utilities -------------------------------------------------------------------------
     def scheduler_stats(self) -> dict[str, int]:
-        return msgspec.structs.asdict(self.stats())
+        return self.core.stats()
 
     def stats(self) -> msg.SchedulerStats:
-        kv, sched = self.core.kv_manager, self.core.scheduler
-        return msg.SchedulerStats(sched.num_running, sched.num_waiting, kv.num_free_blocks, kv.pool.num_blocks,
-                                  sched.num_preemptions)
+        return msg.SchedulerStats(**self.core.stats())
 
     def reset_prefix_cache(self) -> bool:
         return self.core.kv_manager.reset_prefix_cache()

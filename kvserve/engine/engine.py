@@ -83,7 +83,6 @@ class Engine:
             self.core = CoreClient(config)
         else:
             self.core = EngineCore(config)
-        self.multiprocess = multiprocess
         self.output_processor = OutputProcessor(self.decoder)
         self._deferred: list[RequestOutput] = []  # outputs held back by a failed step
         self.vocab_size = config.model_config.vocab_size
@@ -110,6 +109,11 @@ class Engine:
         return self._local_core().kv_manager
 
     @property
+    def multiprocess(self) -> bool:
+        """Whether the core runs in its own process."""
+        return not isinstance(self.core, EngineCore)
+
+    @property
     def async_scheduling(self) -> bool:
         if self.multiprocess:
             return self.config.scheduler_config.async_scheduling
@@ -123,10 +127,7 @@ class Engine:
         """The core's running / waiting requests, free / total KV blocks and preemptions so far (from
         its last step's outputs when it runs in its own process)."""
         if isinstance(self.core, EngineCore):
-            kv, sched = self.core.kv_manager, self.core.scheduler
-            return {"num_running": sched.num_running, "num_waiting": sched.num_waiting,
-                    "num_free_blocks": kv.num_free_blocks, "num_total_blocks": kv.pool.num_blocks,
-                    "num_preemptions": sched.num_preemptions}
+            return self.core.stats()
         import msgspec
 
         if not self.has_unfinished_requests() and self.core.dead is None:
@@ -236,12 +237,12 @@ class Engine:
         self.output_processor.drop(ids)
 
     def has_unfinished_requests(self) -> bool:
-        if not isinstance(self.core, EngineCore):  # what the front end still waits for
+        if self.multiprocess:  # what the front end still waits for
             return bool(self.states) or bool(self._deferred)
         return self.core.has_unfinished_requests() or bool(self._deferred)
 
     def get_num_unfinished_requests(self) -> int:
-        if not isinstance(self.core, EngineCore):
+        if self.multiprocess:
             return len(self.states)
         return self.scheduler.num_running + self.scheduler.num_waiting
 
@@ -259,9 +260,9 @@ class Engine:
             core_outputs = self.core.step()
         except BaseException:
             # the step before the failed one still counts: its outputs come with the next call
-            self._deferred = self._process(self.core.take_deferred())
-            live = self.scheduler.requests
-            self.output_processor.drop([rid for rid in self.states if rid not in live])
+            outputs, failed = self.core.take_failure()
+            self._deferred = self._process(outputs)
+            self.output_processor.drop(failed)
             raise
         return self._process(core_outputs)
 
