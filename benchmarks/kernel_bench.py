@@ -404,9 +404,13 @@ class Run:
         return r.CacheQuant(torch.float8_e4m3fn, 448.0, self.args.k_scale, self.args.v_scale, self.dev,
                             query_fp8=query_fp8, p_shift=8)
 
+    DECODE_ONLY = ("fp8_unpaired", "fp8q_unpaired")  # decode variants: a prefill reads them as fp8 / fp8q
+
     def pv_kw(self, name: str) -> dict:
-        """The kernel's keyword for the fp8q_pv8 variant (P @ V as an fp8 MMA, where the kernel can)."""
-        return {"pv_fp8": True} if name == "fp8q_pv8" else {}
+        """The kernel's keyword for a variant read: fp8q_pv8 (P @ V as an fp8 MMA, where the kernel
+        can); fp8_unpaired / fp8q_unpaired (the decode with the pages read a byte at a time)."""
+        return {"fp8q_pv8": {"pv_fp8": True}, "fp8_unpaired": {"paired": False},
+                "fp8q_unpaired": {"paired": False}}.get(name, {})
 
     def expect(self, q, pool, bt, qlens, slens, scale, quant, num_splits=1):
         """The check's ground truth: the reference read, or the quantized-query twin with the
@@ -507,6 +511,9 @@ class Run:
                  ("fp8q", self.pool["fp8"], self.quant(query_fp8=True))]
         if self.args.fp8q_pv8:  # the same read with P @ V as an fp8 MMA (JSON only)
             kinds.append(("fp8q_pv8", self.pool["fp8"], self.quant(query_fp8=True)))
+        if self.args.fp8_unpaired:  # both fp8 reads' decode as before the paired decode (decode, ragged)
+            kinds += [("fp8_unpaired", self.pool["fp8"], self.quant()),
+                      ("fp8q_unpaired", self.pool["fp8"], self.quant(query_fp8=True))]
         return tuple(kinds)
 
     # ---- b. store
@@ -626,6 +633,8 @@ class Run:
                 out = torch.full_like(q, float("nan"))
                 fns = {}
                 for name, pool, quant in self.caches():
+                    if name in self.DECODE_ONLY:
+                        continue
                     ref.store_kv(k, v, pool, slots, quant)
 
                     def ours(pool=pool, quant=quant, kw=self.pv_kw(name)):
@@ -736,6 +745,9 @@ class Run:
             flops = 2 * 2 * pairs * hq * d
             rows, expect_bf16 = {}, None
             for name, pool, quant in self.caches():
+                if name in self.DECODE_ONLY:
+                    continue
+
                 def ours(pool=pool, quant=quant, kw=self.pv_kw(name)):
                     return self.impl.paged_attention(q, pool, bt, qsl, sl, scale, max(qlens), max(slens), quant=quant,
                                                      out=out, **kw)
@@ -808,9 +820,9 @@ class Run:
                     continue
                 ms = {}
                 for oname, order in orders.items():
-                    def ours(pool=pool, quant=quant, order=order):
+                    def ours(pool=pool, quant=quant, order=order, kw=self.pv_kw(name)):
                         return self.impl.paged_attention(q, pool, bt, qsl, sl, scale, 1, max(slens), quant=quant,
-                                                         out=out, order=order)
+                                                         out=out, order=order, **kw)
 
                     out.fill_(float("nan"))
                     ours()
@@ -1018,7 +1030,7 @@ class Run:
                     line.append(f"{name} {t['ms'] * 1e3:8.1f}us {bw:5.0f}GB/s {fmt(row['pct_copy'], '.0f')}%")
                 except Exception as e:
                     self.error(tag, e)
-            for name in ("fp8", "fp8q"):
+            for name in ("fp8", "fp8q", *self.DECODE_ONLY):
                 if name in ms_of and "bf16" in ms_of:
                     line.append(f"{name}x {ms_of['bf16'] / ms_of[name]:.2f}")
             if a.flex and (b, ctx) in self.flex_points:
@@ -1336,7 +1348,7 @@ class Run:
             dec, _ = self._by_point()
             for b, c in sorted({k[:2] for k in dec}):
                 cells = []
-                for name in ("bf16", "fp8", "fp8q"):
+                for name in ("bf16", "fp8", "fp8q", *self.DECODE_ONLY):
                     x = dec.get((b, c, name))
                     if x and x.get("clean_ms"):
                         cells.append(f"{name} {x['clean_ms'] * 1e3:8.1f} {fmt(x.get('clean_pct_copy'), '4.0f')}")
@@ -1417,6 +1429,9 @@ def parse_args(argv=None):
                         "its Triton kernel as a decode peer (default $VLLM_TRITON_SRC; off when unset)")
     p.add_argument("--fp8q-pv8", action="store_true",
                    help="also the quantized-query read with P @ V as an fp8 MMA in prefill tiles (JSON: fp8q_pv8)")
+    p.add_argument("--fp8-unpaired", action="store_true",
+                   help="also both fp8 reads' decode with the pages read a byte at a time (paired=False; JSON: "
+                        "fp8_unpaired, fp8q_unpaired)")
     p.add_argument("--no-bigpool", dest="bigpool", action="store_false", help="--smoke: skip the >2^31-element pool check")
     p.add_argument("--batches", type=ints, default=None)
     p.add_argument("--contexts", type=ints, default=None)

@@ -51,6 +51,13 @@ HEAVY_FIRST = True
 # (decode tiles: mma.sync, where an fp8 operand is converted anyway, and its fp8 K tile spilled
 # at 128 keys); wgmma tiles (64+ rows) multiply the fp8 operands on fp8 tensor cores.
 FP16_MMA_BELOW_ROWS = 64
+# fp8 pages' decode (both reads) by ``_paired_decode_kernel``: the pages read as 16-bit words, each
+# an even and an odd head column of one token, and both products run on the even and the odd
+# columns apart. The words reach an fp16 MMA's registers by ldmatrix and convert with one byte
+# permute and two paired conversions per two words, where e4m3 tiles were gathered into that layout
+# from shared memory a byte at a time (sm_90 SASS, Triton 3.9, 128-key tile: 539 instructions a warp
+# against 899, 22 shared loads against 184).
+PAIRED_DECODE = True
 
 
 @triton.jit
@@ -185,6 +192,198 @@ def _attend_tile(
         pv = tl.dot(p.to(v.dtype), v)
     acc = acc * alpha[:, None] + pv
     return m_new, l_i, acc
+
+
+@triton.jit
+def _fp8_pairs_to_f16(x, ASM: tl.constexpr, E5M2: tl.constexpr):
+    """16-bit words of two fp8 bytes (an even and an odd head column) -> (the even bytes, the odd
+    bytes) as fp16, exactly. ``ASM`` (sm_89+): one byte permute and two paired conversions per two
+    words, taking the words as ldmatrix leaves them; else Triton's casts (the interpreter, sm_80)."""
+    if ASM:
+        if E5M2:
+            return tl.inline_asm_elementwise(
+                asm="""{
+                .reg .b32 a;
+                .reg .b16 lo, hi;
+                prmt.b32 a, $2, 0, 0x3120;
+                mov.b32 {lo, hi}, a;
+                cvt.rn.f16x2.e5m2x2 $0, lo;
+                cvt.rn.f16x2.e5m2x2 $1, hi;
+                }""",
+                constraints="=r,=r,r", args=[x], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 a;
+            .reg .b16 lo, hi;
+            prmt.b32 a, $2, 0, 0x3120;
+            mov.b32 {lo, hi}, a;
+            cvt.rn.f16x2.e4m3x2 $0, lo;
+            cvt.rn.f16x2.e4m3x2 $1, hi;
+            }""",
+            constraints="=r,=r,r", args=[x], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
+    fp8: tl.constexpr = tl.float8e5 if E5M2 else tl.float8e4nv
+    even = (x & 0xFF).to(tl.uint8).to(fp8, bitcast=True).to(tl.float16)
+    odd = (x >> 8).to(tl.uint8).to(fp8, bitcast=True).to(tl.float16)
+    return even, odd
+
+
+@triton.jit
+def _attend_paired_tile(
+    t, m_i, l_i, acc_e, acc_o, q_e, q_o, q_pos, num_keys, scale2, cache_ptr, table, kv_head,
+    stride_cb, stride_ckv, stride_cs, stride_ch,
+    HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, PAGE: tl.constexpr, TILE_N: tl.constexpr, MASKED: tl.constexpr,
+    QUERY_FP8: tl.constexpr, P_SHIFT: tl.constexpr, ASM: tl.constexpr, E5M2: tl.constexpr,
+):
+    """``_attend_tile`` for the paired decode: K and V read as 16-bit words (cache strides in words),
+    the even and odd head columns kept apart (``q_e`` / ``q_o``, ``acc_e`` / ``acc_o``); the scores
+    sum both halves' products (fp32 MMA sums, the same products as one dot in another order)."""
+    n = t * TILE_N + tl.arange(0, TILE_N)
+    j = tl.arange(0, HEAD_PAD // 2)
+    if MASKED:
+        n_ok = n < num_keys
+        page = tl.load(table + n // PAGE, mask=n_ok, other=0)
+        kv_mask = n_ok[:, None] & (j < HEAD // 2)[None, :]
+    else:
+        page = tl.load(table + n // PAGE)
+        kv_mask = (n >= 0)[:, None] & (j < HEAD // 2)[None, :]
+    off = page.to(tl.int64) * stride_cb + (n % PAGE) * stride_cs + kv_head * stride_ch
+    if HEAD_PAD == HEAD and not MASKED:
+        k = tl.load(cache_ptr + off[:, None] + j[None, :])
+        v = tl.load(cache_ptr + stride_ckv + off[:, None] + j[None, :])
+    else:
+        k = tl.load(cache_ptr + off[:, None] + j[None, :], mask=kv_mask, other=0)
+        v = tl.load(cache_ptr + stride_ckv + off[:, None] + j[None, :], mask=kv_mask, other=0)
+    k_e, k_o = _fp8_pairs_to_f16(k, ASM, E5M2)
+    v_e, v_o = _fp8_pairs_to_f16(v, ASM, E5M2)
+    s = tl.dot(q_o, tl.trans(k_o), acc=tl.dot(q_e, tl.trans(k_e)))
+    if MASKED:
+        s = s * scale2
+        visible = (n[None, :] <= q_pos[:, None]) & n_ok[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - _shifted(m_safe, P_SHIFT)[:, None])
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * scale2)
+        m_safe = m_new
+        p = tl.exp2(s * scale2 - _shifted(m_safe, P_SHIFT)[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if QUERY_FP8:
+        p16 = p.to(tl.float8e4nv).to(tl.float16)  # e4m3-rounded P, exact in fp16
+    else:
+        p16 = p.to(tl.float16)
+    acc_e = acc_e * alpha[:, None] + tl.dot(p16, v_e)
+    acc_o = acc_o * alpha[:, None] + tl.dot(p16, v_o)
+    return m_new, l_i, acc_e, acc_o
+
+
+@triton.jit(do_not_specialize=["stride_bt", "num_splits", "stride_qt", "stride_ot"])
+def _paired_decode_kernel(
+    out_ptr, part_acc_ptr, part_ml_ptr,
+    q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, order_ptr,
+    k_scale_ptr, v_scale_ptr, q_scale_ptr, inv_q_scale_ptr, qk_scale,
+    stride_qt, stride_qh,
+    stride_ot, stride_oh,
+    stride_cb, stride_ckv, stride_cs, stride_ch,
+    stride_bt,
+    num_splits,
+    G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
+    HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, PAGE: tl.constexpr, TILE_N: tl.constexpr,
+    SPLIT: tl.constexpr, PDL: tl.constexpr, QUERY_FP8: tl.constexpr, P_SHIFT: tl.constexpr,
+    ORDERED: tl.constexpr, HK: tl.constexpr, ASM: tl.constexpr, E5M2: tl.constexpr,
+):
+    """A decode-only batch over fp8 pages (both reads), one program per (sequence, KV head[, split]):
+    ``_attention_kernel``'s decode with the pages read in 16-bit words (``PAIRED_DECODE``): the same
+    query rounding, scales, online softmax and epilogue, the head columns as even / odd halves."""
+    pdl.start(PDL)
+    split = tl.program_id(2)
+    seq, kv_head, q_start, q_len = _decode_program(query_start_ptr, order_ptr, HK, ORDERED)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context = seq_len - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    tok = rows // G
+    head = kv_head * G + rows % G
+    row_ok = (tok < q_len) & (rows < BLOCK_Q * G)
+    q_pos = context + tok
+    j = tl.arange(0, HEAD_PAD // 2)
+    j_ok = j < HEAD // 2
+    q_at = q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + 2 * j[None, :]
+    q_e = tl.load(q_at, mask=row_ok[:, None] & j_ok[None, :], other=0.0)
+    q_o = tl.load(q_at + 1, mask=row_ok[:, None] & j_ok[None, :], other=0.0)
+    if QUERY_FP8:
+        inv_q_scale = tl.load(inv_q_scale_ptr)
+        q_e = tl.minimum(tl.maximum(q_e.to(tl.float32) * inv_q_scale, -448.0), 448.0).to(tl.float8e4nv)
+        q_o = tl.minimum(tl.maximum(q_o.to(tl.float32) * inv_q_scale, -448.0), 448.0).to(tl.float8e4nv)
+        q_e = q_e.to(tl.float16)
+        q_o = q_o.to(tl.float16)
+        scale2 = (qk_scale * 1.4426950408889634) * (tl.load(q_scale_ptr) * tl.load(k_scale_ptr))
+    else:
+        # the dequantizing read's power-of-two query scaling into fp16 range (``_attention_kernel``)
+        qe32 = q_e.to(tl.float32)
+        qo32 = q_o.to(tl.float32)
+        q_max = tl.maximum(tl.max(tl.max(tl.abs(qe32), axis=1), axis=0), tl.max(tl.max(tl.abs(qo32), axis=1), axis=0))
+        e = ((q_max.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+        e = tl.minimum(tl.maximum(e, -100), 100)
+        q_mul = ((127 + 14 - e) << 23).to(tl.float32, bitcast=True)
+        q_e = (qe32 * q_mul).to(tl.float16)
+        q_o = (qo32 * q_mul).to(tl.float16)
+        k_mul = qk_scale * tl.load(k_scale_ptr)
+        k_mul = k_mul / q_mul
+        scale2 = k_mul * 1.4426950408889634
+    v_mul = tl.load(v_scale_ptr)
+
+    num_keys = context + tl.minimum(BLOCK_Q, q_len)
+    tile_lo, tile_hi = _split_tiles(num_keys, split, num_splits, TILE_N)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc_e = tl.zeros([BLOCK_M, HEAD_PAD // 2], tl.float32)
+    acc_o = tl.zeros([BLOCK_M, HEAD_PAD // 2], tl.float32)
+    table = block_tables_ptr + seq * stride_bt
+    if SPLIT:
+        for t in range(tile_lo, tile_hi):
+            m_i, l_i, acc_e, acc_o = _attend_paired_tile(
+                t, m_i, l_i, acc_e, acc_o, q_e, q_o, q_pos, num_keys, scale2, cache_ptr, table, kv_head,
+                stride_cb, stride_ckv, stride_cs, stride_ch, HEAD, HEAD_PAD, PAGE, TILE_N, True,
+                QUERY_FP8, P_SHIFT, ASM, E5M2,
+            )
+    else:
+        full_end = tl.minimum(tl.maximum(context // TILE_N, tile_lo), tile_hi)
+        for t in range(tile_lo, full_end):
+            m_i, l_i, acc_e, acc_o = _attend_paired_tile(
+                t, m_i, l_i, acc_e, acc_o, q_e, q_o, q_pos, num_keys, scale2, cache_ptr, table, kv_head,
+                stride_cb, stride_ckv, stride_cs, stride_ch, HEAD, HEAD_PAD, PAGE, TILE_N, False,
+                QUERY_FP8, P_SHIFT, ASM, E5M2,
+            )
+        for t in range(full_end, tile_hi):
+            m_i, l_i, acc_e, acc_o = _attend_paired_tile(
+                t, m_i, l_i, acc_e, acc_o, q_e, q_o, q_pos, num_keys, scale2, cache_ptr, table, kv_head,
+                stride_cb, stride_ckv, stride_cs, stride_ch, HEAD, HEAD_PAD, PAGE, TILE_N, True,
+                QUERY_FP8, P_SHIFT, ASM, E5M2,
+            )
+
+    out_row = q_start + tok
+    if not SPLIT:
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        if QUERY_FP8:
+            w = ((1.0 / l_safe) * v_mul)[:, None]
+            o_e = acc_e * w
+            o_o = acc_o * w
+        else:
+            o_e = acc_e / l_safe[:, None] * v_mul
+            o_o = acc_o / l_safe[:, None] * v_mul
+        at = out_ptr + out_row[:, None] * stride_ot + head[:, None] * stride_oh + 2 * j[None, :]
+        mask = row_ok[:, None] & j_ok[None, :]
+        tl.store(at, o_e.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(at + 1, o_o.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        part = (out_row * (G * HK) + head) * num_splits + split
+        at = part_acc_ptr + part[:, None] * HEAD_PAD + 2 * j[None, :]
+        tl.store(at, acc_e * v_mul, mask=row_ok[:, None])
+        tl.store(at + 1, acc_o * v_mul, mask=row_ok[:, None])
+        tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
+        tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
 
 
 # Lengths and batch-dependent values are not specialized (Triton would compile a variant per
@@ -417,6 +616,7 @@ def paged_attention(
     heavy_first: bool | None = None,
     fp16_mma: bool | None = None,
     order: torch.Tensor | None = None,
+    paired: bool | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of every sequence's new tokens; see the module docstring.
 
@@ -426,7 +626,8 @@ def paged_attention(
     (BLOCK_M, TILE_N, num_warps, num_stages[, maxnreg]) choice (for tuning); ``pv_fp8`` the
     quantized-query read's P @ V MMA (fp8, or fp16 on the same values; None: ``PV_FP8``);
     ``fp16_mma`` both of its MMAs in fp16 on the e4m3 values (None: below ``FP16_MMA_BELOW_ROWS``
-    rows a program); ``heavy_first`` the launch order of the query blocks (None: ``HEAVY_FIRST``).
+    rows a program); ``paired`` fp8 pages' decode by ``_paired_decode_kernel`` (None: ``PAIRED_DECODE``);
+    ``heavy_first`` the launch order of the query blocks (None: ``HEAVY_FIRST``).
     Decode-only batches (``max_query_len`` 1) run one program per (sequence, KV head), in the
     order of ``order`` [B] int32 where given (a permutation of the sequences, longest first:
     ``layers.attention.decode_order``), else in batch order. Returns ``out`` [T, Hq, D]."""
@@ -478,25 +679,45 @@ def paged_attention(
     else:
         grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
     ordered = decode and order is not None
-    _attention_kernel[grid](
-        out, part_acc, part_ml,
-        query, cache, block_tables, seq_lens, query_start_loc, order if ordered else seq_lens,
-        k_scale_t, v_scale_t, q_scale_t, inv_q_scale_t, float(scale),
-        num_seqs,
-        query.stride(0), query.stride(1),
-        out.stride(0), out.stride(1),
-        cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
-        block_tables.stride(0),
-        num_splits,
-        G=group, BLOCK_M=block_m, BLOCK_Q=block_q,
-        HEAD=head, HEAD_PAD=head_pad, PAGE=page, TILE_N=tile_n,
-        FP8=fp8, IEEE=query.dtype == torch.float32,
-        SPLIT=num_splits > 1, QUERY_FP8=query_fp8, P_SHIFT=quant.p_shift if query_fp8 else 0,
-        PV_FP8=(PV_FP8 if pv_fp8 is None else pv_fp8) and not fp16_mma_on,
-        HEAVY_FIRST=HEAVY_FIRST if heavy_first is None else heavy_first,
-        FP16_MMA=fp16_mma_on, DECODE=decode, ORDERED=ordered, HK=num_kv_heads,
-        num_warps=num_warps, num_stages=num_stages, **launch_opts, **pdl.launch_options(query.device),
-    )
+    if decode and fp8 and query.dtype != torch.float32 and head % 2 == 0 and (
+            PAIRED_DECODE if paired is None else paired):
+        words = kv_cache.view(torch.uint16)  # two fp8 bytes a word: strides in words
+        _paired_decode_kernel[grid](
+            out, part_acc, part_ml,
+            query, words, block_tables, seq_lens, query_start_loc, order if ordered else seq_lens,
+            k_scale_t, v_scale_t, q_scale_t, inv_q_scale_t, float(scale),
+            query.stride(0), query.stride(1),
+            out.stride(0), out.stride(1),
+            words.stride(0), words.stride(1), words.stride(2), words.stride(3),
+            block_tables.stride(0),
+            num_splits,
+            G=group, BLOCK_M=block_m, BLOCK_Q=block_q,
+            HEAD=head, HEAD_PAD=head_pad, PAGE=page, TILE_N=tile_n,
+            SPLIT=num_splits > 1, QUERY_FP8=query_fp8, P_SHIFT=quant.p_shift if query_fp8 else 0,
+            ORDERED=ordered, HK=num_kv_heads, ASM=is_cuda and torch.cuda.get_device_capability(query.device) >= (8, 9),
+            E5M2=quant.fp8_dtype == torch.float8_e5m2,
+            num_warps=num_warps, num_stages=num_stages, **launch_opts, **pdl.launch_options(query.device),
+        )
+    else:
+        _attention_kernel[grid](
+            out, part_acc, part_ml,
+            query, cache, block_tables, seq_lens, query_start_loc, order if ordered else seq_lens,
+            k_scale_t, v_scale_t, q_scale_t, inv_q_scale_t, float(scale),
+            num_seqs,
+            query.stride(0), query.stride(1),
+            out.stride(0), out.stride(1),
+            cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
+            block_tables.stride(0),
+            num_splits,
+            G=group, BLOCK_M=block_m, BLOCK_Q=block_q,
+            HEAD=head, HEAD_PAD=head_pad, PAGE=page, TILE_N=tile_n,
+            FP8=fp8, IEEE=query.dtype == torch.float32,
+            SPLIT=num_splits > 1, QUERY_FP8=query_fp8, P_SHIFT=quant.p_shift if query_fp8 else 0,
+            PV_FP8=(PV_FP8 if pv_fp8 is None else pv_fp8) and not fp16_mma_on,
+            HEAVY_FIRST=HEAVY_FIRST if heavy_first is None else heavy_first,
+            FP16_MMA=fp16_mma_on, DECODE=decode, ORDERED=ordered, HK=num_kv_heads,
+            num_warps=num_warps, num_stages=num_stages, **launch_opts, **pdl.launch_options(query.device),
+        )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
             out, part_acc, part_ml, out.stride(0), out.stride(1), num_heads, num_splits,
