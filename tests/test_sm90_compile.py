@@ -67,6 +67,8 @@ for name, qlen, head, g, fp8, qfp8, pv_fp8 in json.loads(sys.argv[1]):
     except Exception as e:
         out[name] = {"error": f"{type(e).__name__}: {str(e)[:2000]}"}
         continue
+    if name == "decode-h128-fp8q":
+        unpaired_decode = k
     ir = k.asm["ttgir"]
     dots = [l for l in ir.splitlines() if re.search(r"warp_group_dot |tt\.dot ", l)]
     fp8 = re.compile(r"(: tensor|\* !?\S*)<\d+x\d+xf8E4M3FN")  # an MMA operand of e4m3 values
@@ -76,8 +78,49 @@ for name, qlen, head, g, fp8, qfp8, pv_fp8 in json.loads(sys.argv[1]):
                  # e4m3 register tensors stored to shared memory (the query once; an MMA operand
                  # staged from registers otherwise)
                  "fp8_staged": len(re.findall(r"ttg\.local_alloc %\S+ : \(tensor<\d+x\d+xf8E4M3FN", ir))}
+
+def byte_loads(kernel):  # shared-memory loads of single bytes in the SASS (None without a disassembler)
+    try:
+        from triton.tools.disasm import get_sass
+        return get_sass(kernel.asm["cubin"]).count("LDS.U8")
+    except Exception:
+        return None
+
+
+out["decode-h128-fp8q"]["byte_loads"] = byte_loads(unpaired_decode)
+fn = ta._paired_decode_kernel
+names = fn.arg_names
+for name, head, g, qfp8, split, e5m2 in json.loads(sys.argv[2]):
+    bm, tn, warps, stages, maxnreg = ta._tile_config(1, g, head, True, True, split, False)
+    const = dict(G=g, BLOCK_M=bm, BLOCK_Q=bm // g, HEAD=head, HEAD_PAD=head, PAGE=16, TILE_N=tn, SPLIT=split,
+                 PDL=False, QUERY_FP8=qfp8, P_SHIFT=8 if qfp8 else 0, ORDERED=True, HK=8, ASM=True, E5M2=e5m2)
+    sig = {n: "constexpr" if n in const else POINTERS.get(n) or ("fp32" if n == "qk_scale" else "i32") for n in names}
+    sig["cache_ptr"] = "*u16"  # the pages as 16-bit words
+    div16 = [n for n in names if n.endswith("_ptr") or n in ("stride_qh", "stride_oh", "stride_cb", "stride_ckv",
+                                                             "stride_cs", "stride_ch")]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div16}
+    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
+    options = {"num_warps": warps, "num_stages": stages, **({"maxnreg": maxnreg} if maxnreg else {})}
+    try:
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    except Exception as e:
+        out[name] = {"error": f"{type(e).__name__}: {str(e)[:2000]}"}
+        continue
+    ir = k.asm["ttgir"]
+    out[name] = {"cubin_bytes": len(k.asm["cubin"]), "wgmma": "warp_group_dot" in ir,
+                 "async_copies": ir.count("async_copy_global_to_local"), "byte_loads": byte_loads(k),
+                 "cvt_e4m3": k.asm["ptx"].count("cvt.rn.f16x2.e4m3x2"), "cvt_e5m2": k.asm["ptx"].count("cvt.rn.f16x2.e5m2x2")}
 print("RESULT " + json.dumps(out))
 """
+
+# (name, head, group, quantized query, split-KV, e5m2 pages): the paired decode of fp8 pages
+PAIRED = [
+    ("paired-h128-fp8q", 128, 4, True, False, False),
+    ("paired-h128-fp8q-split", 128, 4, True, True, False),
+    ("paired-h128-e4m3-dequant", 128, 4, False, False, False),
+    ("paired-h256-fp8q", 256, 6, True, False, False),
+    ("paired-h64-e5m2-dequant-split", 64, 1, False, True, True),
+]
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +138,7 @@ def compiled() -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9+ warns when unset; 1 is what the kernels run with
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(VARIANTS)], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(VARIANTS), json.dumps(PAIRED)], capture_output=True, text=True,
                           env=env, cwd=ROOT, timeout=900)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
     assert proc.returncode == 0 and line, f"the compile script failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
@@ -126,3 +169,27 @@ def test_fp8_pages_reach_the_mma_by_async_copy(compiled):
     register round trip into a second shared buffer every tile)."""
     assert compiled["prefill-h128-fp8q-pv16"]["fp8_staged"] == 1
     assert compiled["prefill-h256-fp8q"]["fp8_staged"] == 3  # + V of the fp8 P V, in both loops (staged transposed)
+
+
+@pytest.mark.parametrize("variant", PAIRED, ids=[v[0] for v in PAIRED])
+def test_paired_decode_compiles_for_sm90(compiled, variant):
+    """The paired decode of fp8 pages (its inline PTX runs on a GPU only: the interpreter takes
+    Triton's casts) builds for Hopper: mma.sync tiles, pipelined page loads, the paired conversion
+    of the pages' format in the PTX."""
+    name, *_, e5m2 = variant
+    got = compiled[name]
+    assert "error" not in got, got.get("error")
+    assert got["cubin_bytes"] > 10_000 and not got["wgmma"] and got["async_copies"] > 0
+    assert got["cvt_e5m2" if e5m2 else "cvt_e4m3"] > 0 and got["cvt_e4m3" if e5m2 else "cvt_e5m2"] == 0
+
+
+def test_paired_decode_reads_no_single_bytes(compiled):
+    """The point of the paired decode: its page tiles reach the fp16 MMAs' registers in 16-bit words
+    (ldmatrix), where the unpaired decode of e4m3 pages gathers them from shared memory a byte at a
+    time."""
+    unpaired = compiled["decode-h128-fp8q"]["byte_loads"]
+    if unpaired is None:
+        pytest.skip("no SASS disassembler (cuobjdump) with this Triton")
+    assert unpaired >= 128  # 256 a thread per 128-key tile at Triton 3.9
+    for name, *_ in PAIRED:
+        assert compiled[name]["byte_loads"] == 0, name
