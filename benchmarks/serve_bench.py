@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shlex
 import signal
 import socket
@@ -122,19 +123,58 @@ class Server:
                 self.proc.wait()
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (all its threads) from /proc (0.0 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14, 15)
+
+
+def child_pids(pid: int) -> list[int]:
+    """Direct children of ``pid`` (the server's engine-core process)."""
+    kids = []
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            kids += [int(x) for x in task.read_text().split()]
+        except OSError:
+            pass
+    return kids
+
+
+def process_cpu(server: Server) -> dict[str, float]:
+    """CPU seconds so far of the API server process and of its children (the engine core)."""
+    return {"api_server": cpu_seconds(server.proc.pid),
+            "engine_core": sum(cpu_seconds(c) for c in child_pids(server.proc.pid))}
+
+
 def bench_point(server: Server, a: argparse.Namespace, concurrency: int, work: Path, env: dict[str, str]) -> dict:
-    """One ``kvserve bench serve`` run at ``concurrency``; its result file as a dict."""
+    """One ``kvserve bench serve`` run at ``concurrency``; its result file as a dict, with the CPU time
+    the API server process, the engine core and the client spent on it (Linux /proc)."""
     n = max(a.min_prompts, a.prompts_per_concurrency * concurrency)
     result = work / f"point_{concurrency}.json"
     cmd = [*CLI, "bench", "serve", "--base-url", server.url, "--endpoint", a.endpoint, "--dataset", "random",
            "--input-len", str(a.input_len), "--output-len", str(a.output_len), "--num-prompts", str(n),
            "--max-concurrency", str(concurrency), "--num-warmups", str(a.num_warmups), "--seed", "0",
            "--result-file", str(result), "--disable-tqdm"]
+    cpu0, client0, t0 = process_cpu(server), resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=a.point_timeout_s)
+    cpu1, client1, wall = process_cpu(server), resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter() - t0
     if r.returncode != 0:
         raise RuntimeError(f"kvserve bench serve exited with {r.returncode}:\n{(r.stdout + r.stderr)[-3000:]}")
     print(r.stdout.strip(), flush=True)
     point = json.loads(result.read_text())
+    # CPU time over the whole client run (its start and warm-ups included) against that run's wall time:
+    # a process near 1.0 (one core busy) bounds the stream; the API server's CPU per output token is its
+    # per-token cost
+    cpu = {k: cpu1[k] - cpu0[k] for k in cpu0}
+    cpu["client"] = (client1.ru_utime + client1.ru_stime) - (client0.ru_utime + client0.ru_stime)
+    tokens = max(1, point["total_output_tokens"])
+    point["cpu_s"] = cpu
+    point["cpu_wall_s"] = wall
+    point["cpu_share_of_wall"] = {k: v / wall for k, v in cpu.items()}
+    point["api_server_us_per_output_token"] = 1e6 * cpu["api_server"] / tokens
     point["num_prompts"] = n
     point["all_ok"] = point["failed"] == 0 and point["total_output_tokens"] == n * a.output_len
     point["gauges_after"] = read_gauges(server.url)
@@ -223,9 +263,12 @@ def main(argv: list[str] | None = None) -> int:
                 point = {"kv_cache_dtype": kv, "concurrency": c, **bench_point(server, a, c, work, env)}
                 doc["points"].append(point)
                 failed |= not point["all_ok"]
+                share = point["cpu_share_of_wall"]
                 print(f"[serve] kv {kv} c={c}: {point['output_throughput']:.1f} out tok/s, TTFT p50 "
                       f"{point['median_ttft_ms']:.1f} ms, TPOT p50 {point['median_tpot_ms']:.2f} ms, "
-                      f"failed {point['failed']}", flush=True)
+                      f"failed {point['failed']}; CPU share of wall: API server {share.get('api_server', 0):.2f}, "
+                      f"engine core {share.get('engine_core', 0):.2f}, client {share.get('client', 0):.2f}; API "
+                      f"server {point['api_server_us_per_output_token']:.1f} us CPU per output token", flush=True)
                 common.write_json(out, doc)
         except Exception as e:  # noqa: BLE001 - keep the other dtype's points; the run fails
             failed = True
