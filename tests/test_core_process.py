@@ -254,3 +254,72 @@ def test_async_llm_over_a_core_process_streams_then_reports_its_death(tiny):
             asyncio.run(run("second", 5))
     finally:
         llm.shutdown()
+
+
+def test_one_core_serves_two_front_ends(tiny, one_thread):
+    """``--api-server-count``'s core: each attached front end gets the outputs of exactly the requests it
+    added, whole; an id one front end already runs is refused to the other without touching the
+    first; a front end cannot abort another's request; an attached client's shutdown leaves the core
+    running for the others, and a request alone there gives the in-process tokens of the same request
+    alone (one batch: the same sums)."""
+    from kvserve.engine.core_client import start_core_process, stop_process
+
+    prompts = {"a": [3, 4, 5, 6], "b": [7, 8], "c": list(range(10, 40)), "d": [9, 9, 9]}
+    lengths = {"a": 6, "b": 4, "c": 7, "d": 5}
+
+    def params(rid: str) -> SamplingParams:
+        return _params(max_tokens=lengths[rid], ignore_eos=True)
+
+    def collect(client: CoreClient, into: dict, until: set[str], call: int | None = None) -> list:
+        """Outputs into ``into`` until every id in ``until`` finished (and utility ``call`` answered)."""
+        failures, answered = [], call is None
+        deadline = time.monotonic() + 60
+        while not (answered and all(into.get(r, (None, None))[1] is not None for r in until)):
+            out = client.get_output(max(0.1, deadline - time.monotonic()))
+            assert out is not None, into
+            answered |= out.utility_call_id == call
+            if out.failed_request_ids:
+                failures.append((out.failed_request_ids, out.error))
+            for o in out.outputs:
+                ids, _ = into.get(o.request_id, ([], None))
+                into[o.request_id] = (ids + o.new_token_ids, o.finish_status)
+        return failures
+
+    alone = EngineCore(_config(tiny))
+    alone.add_request("a", prompts["a"], params("a"))
+    want_alone: list[int] = []
+    while alone.has_unfinished_requests():
+        want_alone += [t for o in alone.step() for t in o.new_token_ids]
+    proc = start_core_process(_config(tiny), 2)
+    clients = [CoreClient(_config(tiny), address=proc.address(i)) for i in range(2)]
+    try:
+        assert [c.ready["pid"] for c in clients] == [proc.proc.pid] * 2
+        first, second = clients
+        got_first: dict = {}
+        got_second: dict = {}
+        first.add_request("a", prompts["a"], params("a"))
+        first.add_request("b", prompts["b"], params("b"))
+        # a utility call's answer: the core has taken first's adds (one socket keeps its order)
+        collect(first, got_first, set(), first.call_utility("scheduler_stats"))
+        second.add_request("c", prompts["c"], params("c"))
+        second.add_request("d", prompts["d"], params("d"))
+        second.add_request("a", [1, 2], params("a"))  # first's id: refused to second alone
+        second.finish_requests(["b"])  # not second's: ignored
+        assert collect(first, got_first, {"a", "b"}) == []
+        refused = collect(second, got_second, {"c", "d"})
+        assert sorted(got_first) == ["a", "b"] and sorted(got_second) == ["c", "d"]
+        for rid, (ids, status) in {**got_first, **got_second}.items():
+            assert len(ids) == lengths[rid] and status == RequestStatus.FINISHED_LENGTH_CAPPED, rid
+        assert refused == [(["a"], "Request id 'a' already exists.")]
+        first.shutdown()
+        assert proc.proc.is_alive()  # the launcher's core: one front end leaving does not end it
+        second.add_request("e", prompts["a"], params("a"))
+        got: dict = {}
+        collect(second, got, {"e"})
+        assert got["e"][0] == want_alone
+    finally:
+        for c in clients:
+            c.shutdown()
+        proc.parent_end.close()
+        stop_process(proc.proc, 5.0)
+    assert not proc.proc.is_alive()

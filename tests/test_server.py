@@ -696,7 +696,7 @@ def test_serve_parser_is_light():
     assert out.stdout.strip() == "[]"
 
 
-def _serve_process(folder: str, port: int, env: dict | None = None):
+def _serve_process(folder: str, port: int, env: dict | None = None, extra: tuple[str, ...] = ()):
     """``kvserve serve`` (``run(args)``) in a child process, its output piped; returns once /health is 200."""
     import subprocess
     import sys
@@ -710,7 +710,7 @@ def _serve_process(folder: str, port: int, env: dict | None = None):
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), **(env or {}))
     proc = subprocess.Popen(
         [sys.executable, "-c", code, "serve", folder, "--port", str(port), "--kv-cache-memory", str(KV_MEM),
-         "--dtype", "float32", "--device", "cpu", "--uvicorn-log-level", "warning"],
+         "--dtype", "float32", "--device", "cpu", "--uvicorn-log-level", "warning", *extra],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )
     deadline = time.time() + 90
@@ -816,6 +816,105 @@ def test_serve_fails_fast_and_exits_when_its_engine_core_dies(make_tiny_model):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def _spawned(pid: int) -> list[int]:
+    """Every process under ``pid`` that multiprocessing spawned, depth first."""
+    out = []
+    for kid in _engine_cores(pid):
+        out += [kid, *_spawned(kid)]
+    return out
+
+
+def _gone(pids: list[int], timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not any(os.path.exists(f"/proc/{p}") and b"Z" not in open(f"/proc/{p}/stat", "rb").read().split(b")")[-1][:3]
+                   for p in pids):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _success_total(url: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=5).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:request_success_total{"))
+
+
+def test_serve_with_two_api_servers(make_tiny_model):
+    """``--api-server-count 2`` (vLLM's): one port, two API server processes over one engine core (three
+    spawned processes); concurrent requests come back whole whichever server takes them; every scrape
+    of /metrics, whichever server answers, counts the requests of both; Ctrl-C ends them all (exit 0)."""
+    import signal
+    from concurrent.futures import ThreadPoolExecutor
+
+    folder = str(make_tiny_model("llama"))
+    port = _free_port()
+    proc = _serve_process(folder, port, extra=("--api-server-count", "2"))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        spawned = _spawned(proc.pid)
+        assert sorted(open(f"/proc/{p}/comm").read().strip() for p in spawned) == [
+            "ApiServer_0", "ApiServer_1", "EngineCore"]
+
+        def complete(i: int) -> str:
+            body = {"model": folder, "prompt": f"hi {i}", "max_tokens": 5, "ignore_eos": True}
+            with httpx.Client() as c:  # a connection each: the kernel picks the server
+                r = c.post(url + "/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == 5
+            return r.json()["choices"][0]["text"]
+
+        with ThreadPoolExecutor(8) as pool:
+            texts = list(pool.map(complete, range(16)))
+        assert len(texts) == 16
+        assert [_success_total(url) for _ in range(6)] == [16.0] * 6
+        assert httpx.get(url + "/health").status_code == 200
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            assert proc.wait(30) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert _gone(spawned)
+
+
+def test_api_servers_exit_when_the_engine_core_dies(make_tiny_model):
+    """With two API servers, a core killed hard takes the servers down: the launcher exits 1 and no
+    process is left; an API server killed hard does the same (vLLM's launcher)."""
+    import signal
+
+    folder = str(make_tiny_model("llama"))
+    for victim in ("EngineCore", "ApiServer_1"):
+        port = _free_port()
+        proc = _serve_process(folder, port, {"VLLM_WATCHDOG_TIME_S": "1"}, extra=("--api-server-count", "2"))
+        try:
+            spawned = _spawned(proc.pid)
+            names = {open(f"/proc/{p}/comm").read().strip(): p for p in spawned}  # the processes name themselves
+            assert sorted(names) == ["ApiServer_0", "ApiServer_1", "EngineCore"], names
+            os.kill(names[victim], signal.SIGKILL)
+            assert proc.wait(30) == 1
+            out = proc.stdout.read().decode()
+            assert ("died unexpectedly" if victim == "EngineCore" else "died with exit code -9") in out, out[-2000:]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        assert _gone(spawned)
+
+
+def test_api_server_count_is_validated(make_tiny_model, monkeypatch):
+    from kvserve.entrypoints.cli import build_parser
+
+    folder = str(make_tiny_model("llama"))
+    args = build_parser().parse_args(["serve", folder, "--api-server-count", "0"])
+    with pytest.raises(ValueError, match="--api-server-count=0: kvserve has no headless mode"):
+        args.func(args)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    args = build_parser().parse_args(["serve", folder, "-asc", "2"])
+    with pytest.raises(ValueError, match="--api-server-count=2 needs the engine core in its own process"):
+        args.func(args)
 
 
 # ---- golden parity (real default model) ------------------------------------------------------

@@ -17,7 +17,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Protocol
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Protocol
 
 from kvserve.config import EngineArgs
 from kvserve.engine.engine import Engine, PromptInput
@@ -25,6 +25,9 @@ from kvserve.engine.exceptions import EngineDeadError
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.sampling import RequestOutputKind, SamplingParams
 from kvserve.logger import init_logger
+
+if TYPE_CHECKING:
+    from kvserve.engine.core_client import CoreAddress
 
 logger = init_logger(__name__)
 
@@ -109,10 +112,13 @@ class AsyncLLM:
             self._thread.start()
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs, multiprocess: bool = False) -> "AsyncLLM":
+    def from_engine_args(cls, args: EngineArgs, multiprocess: bool = False,
+                         core_address: "CoreAddress | None" = None) -> "AsyncLLM":
         """``multiprocess``: the engine core in its own process (``kvserve serve``); this process
-        then keeps only the front end's work (tokens in, text and outputs out)."""
-        return cls(Engine(args.create_engine_config(), multiprocess=multiprocess))
+        then keeps only the front end's work (tokens in, text and outputs out). ``core_address``: a
+        core the serve launcher started for several API servers (``--api-server-count``)."""
+        return cls(Engine(args.create_engine_config(), multiprocess=multiprocess or core_address is not None,
+                          core_address=core_address))
 
     # ---- properties for the server ---------------------------------------------------------
     @property

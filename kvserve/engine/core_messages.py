@@ -1,7 +1,9 @@
 """What crosses the process boundary between a front end and the engine core (msgspec msgpack,
 as vLLM v1): requests one way (add, abort / finish, utility calls, shutdown), each core step's
 outputs the other, plus the start-up and the engine's death notice. Frames: ``[type byte,
-payload]`` to the core; ``[payload]`` from it (``ENGINE_CORE_DEAD`` alone: the core is gone)."""
+payload]`` to the core; ``[payload]`` from it (``ENGINE_CORE_DEAD`` alone: the core is gone). With
+several front ends (``--api-server-count``) each message to the core names its client index, and
+each front end gets its own requests' outputs and every change of the scheduler's stats."""
 
 from __future__ import annotations
 
@@ -33,17 +35,20 @@ class AddRequest(msgspec.Struct, array_like=True, gc=False):
     # decoding a SamplingParams runs its __post_init__, which rebuilds this set from
     # stop_token_ids alone: the EOS ids the front end added travel beside it
     all_stop_token_ids: list[int]
+    client_index: int = 0  # which front end sent it: its outputs go back there (--api-server-count)
 
 
 class FinishRequests(msgspec.Struct, array_like=True, gc=False):
     request_ids: list[str]
     status: RequestStatus = RequestStatus.FINISHED_ABORTED
+    client_index: int = 0  # a front end finishes only its own requests
 
 
 class UtilityCall(msgspec.Struct, array_like=True, gc=False):
     call_id: int
     method: str  # a method of ``EngineCoreProc`` named in its ``UTILITIES``
     args: list[Any] = []
+    client_index: int = 0  # where the answer goes
 
 
 class SchedulerStats(msgspec.Struct, array_like=True, gc=False):

@@ -2,9 +2,11 @@
 HTTP, fed and drained by two threads that move msgpack frames between ZeroMQ sockets and queues
 (socket I/O and (de)serialization release the GIL while the loop steps).
 
-Sockets: the front end binds a PUSH (requests) and a PULL (outputs) on ``ipc://`` paths; the core
-connects a PULL and a PUSH to them (one front end; vLLM's ROUTER / DEALER pairs route several).
-The first output is the ready message; a fatal error sends ``ENGINE_CORE_DEAD`` and exits non-zero.
+Sockets: each front end (one, or ``--api-server-count`` of them) binds a PUSH (requests) and a PULL
+(outputs) on ``ipc://`` paths; the core connects one PULL to every request socket (fair-queued) and
+one PUSH to each output socket, and sends each front end the outputs of the requests it added
+(vLLM routes the same way by client index). The first output to each is the ready message; a fatal
+error sends ``ENGINE_CORE_DEAD`` to all and exits non-zero.
 The core exits when its parent does (the end of a pipe the parent holds reads EOF), so a front end
 killed hard leaves no engine behind."""
 
@@ -24,6 +26,7 @@ from kvserve.config import EngineConfig
 from kvserve.engine import core_messages as msg
 from kvserve.engine.core import EngineCore
 from kvserve.logger import init_logger
+from kvserve.process_name import set_process_name
 
 logger = init_logger(__name__)
 
@@ -35,25 +38,30 @@ class EngineCoreProc:
 
     UTILITIES = frozenset({"reset_prefix_cache", "scheduler_stats"})
 
-    def __init__(self, config: EngineConfig, input_address: str, output_address: str) -> None:
+    def __init__(self, config: EngineConfig, input_addresses: list[str], output_addresses: list[str]) -> None:
         self.core = EngineCore(config)
         self.input_queue: queue.Queue = queue.Queue()
-        self.output_queue: queue.Queue = queue.Queue()
+        self.output_queue: queue.Queue = queue.Queue()  # (client index, CoreOutputs), or a marker
         self.ctx = zmq.Context()
-        self.output_socket = self.ctx.socket(zmq.PUSH)
-        self.output_socket.setsockopt(zmq.LINGER, 4000)  # the death notice gets out before exit
-        self.output_socket.connect(output_address)
+        self.output_sockets = []
+        for address in output_addresses:  # one per front end, by client index
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 4000)  # the death notice gets out before exit
+            sock.connect(address)
+            self.output_sockets.append(sock)
         self.input_socket = self.ctx.socket(zmq.PULL)
-        self.input_socket.connect(input_address)
+        for address in input_addresses:
+            self.input_socket.connect(address)
+        self._client_of: dict[str, int] = {}  # live request id -> the front end that added it
         threading.Thread(target=self._read_inputs, name="kvserve-core-input", daemon=True).start()
         self._writer = threading.Thread(target=self._write_outputs, name="kvserve-core-output", daemon=True)
         self._writer.start()
         self._last_stats: msg.SchedulerStats | None = None
         mc, cc = config.model_config, config.cache_config
-        self.output_queue.put(msg.CoreOutputs(stats=self.stats(), ready={
-            "max_model_len": mc.max_model_len, "num_gpu_blocks": cc.num_blocks, "block_size": cc.block_size,
-            "pid": os.getpid(),
-        }))
+        ready = {"max_model_len": mc.max_model_len, "num_gpu_blocks": cc.num_blocks, "block_size": cc.block_size,
+                 "pid": os.getpid()}
+        for client in range(len(self.output_sockets)):
+            self.output_queue.put((client, msg.CoreOutputs(stats=self.stats(), ready=ready)))
 
     # ---- threads ---------------------------------------------------------------------------
     def _read_inputs(self) -> None:
@@ -79,10 +87,12 @@ class EngineCoreProc:
             if item is _STOP:
                 return
             if item is msg.ENGINE_CORE_DEAD:
-                self.output_socket.send(msg.ENGINE_CORE_DEAD)
+                for sock in self.output_sockets:
+                    sock.send(msg.ENGINE_CORE_DEAD)
                 return
-            msg.ENCODER.encode_into(item, buf)
-            self.output_socket.send(buf, copy=True)
+            client, outputs = item
+            msg.ENCODER.encode_into(outputs, buf)
+            self.output_sockets[client].send(buf, copy=True)
 
     # ---- the loop --------------------------------------------------------------------------
     def run(self) -> None:
@@ -105,9 +115,20 @@ class EngineCoreProc:
 
     def _handle(self, kind: msg.RequestType, payload: Any) -> None:
         if kind == msg.RequestType.ADD:
-            self.core.add_request(payload.request_id, payload.prompt_token_ids, msg.params_of(payload))
+            rid, client = payload.request_id, payload.client_index
+            try:
+                if rid in self._client_of:  # two front ends may be given the same id by their users
+                    raise ValueError(f"Request id {rid!r} already exists.")
+                self.core.add_request(rid, payload.prompt_token_ids, msg.params_of(payload))
+            except Exception as e:  # refused: that request fails, the others keep running
+                self.output_queue.put((client, msg.CoreOutputs(failed_request_ids=[rid], error=str(e))))
+                return
+            self._client_of[rid] = client
         elif kind == msg.RequestType.ABORT:
-            self.core.finish_requests(payload.request_ids, payload.status)
+            ids = [r for r in payload.request_ids if self._client_of.get(r) == payload.client_index]
+            for rid in ids:
+                del self._client_of[rid]
+            self.core.finish_requests(ids, payload.status)
         elif kind == msg.RequestType.UTILITY:
             out = msg.CoreOutputs(utility_call_id=payload.call_id)
             try:
@@ -116,26 +137,47 @@ class EngineCoreProc:
                 out.utility_result = getattr(self, payload.method)(*payload.args)
             except Exception as e:
                 out.utility_error = f"Call to {payload.method} method failed: {e}"
-            self.output_queue.put(out)
+            self.output_queue.put((payload.client_index, out))
+
+    def _by_client(self, outputs: list, failed: list[str] = ()) -> dict[int, tuple[list, list[str]]]:
+        """Outputs and failed ids per front end; finished requests leave the routing table."""
+        routed: dict[int, tuple[list, list[str]]] = {}
+        for out in outputs:
+            client = self._client_of.get(out.request_id, 0)
+            routed.setdefault(client, ([], []))[0].append(out)
+            if out.finish_status is not None:
+                self._client_of.pop(out.request_id, None)
+        for rid in failed:
+            routed.setdefault(self._client_of.pop(rid, 0), ([], []))[1].append(rid)
+        return routed
 
     def _step(self) -> None:
         core = self.core
         try:
             outputs = core.step()
-        except Exception as e:  # the core aborted the step's requests: tell their front end
+        except Exception as e:  # the core aborted the step's requests: tell their front ends
             logger.exception("Engine step failed; aborting the affected requests: %s", e)
             outputs, failed = core.take_failure()  # the step before the failed one still counts
-            self.output_queue.put(msg.CoreOutputs(outputs, self.stats(), failed, f"Engine step failed: {e}"))
+            stats = self.stats()
+            self._last_stats = stats
+            routed = self._by_client(outputs, failed)
+            for client in range(len(self.output_sockets)):
+                outs, ids = routed.get(client, ([], []))
+                self.output_queue.put((client, msg.CoreOutputs(outs, stats, ids, f"Engine step failed: {e}")))
             return
         self._send_stats(outputs)
 
     def _send_stats(self, outputs: list | None = None) -> None:
-        """A step's outputs with the scheduler's stats; nothing when neither changed (a step whose
-        requests all wait for room sends nothing)."""
+        """A step's outputs, to their front ends, with the scheduler's stats; the stats to every front
+        end when they changed; nothing when neither did (a step whose requests all wait for room)."""
         stats = self.stats()
-        if outputs or stats != self._last_stats:
-            self._last_stats = stats
-            self.output_queue.put(msg.CoreOutputs(outputs or [], stats))
+        changed = stats != self._last_stats
+        self._last_stats = stats
+        routed = self._by_client(outputs or [])
+        for client in range(len(self.output_sockets)):
+            outs, _ = routed.get(client, ([], []))
+            if outs or changed:
+                self.output_queue.put((client, msg.CoreOutputs(outs, stats)))
 
     # ---- utilities -------------------------------------------------------------------------
     def scheduler_stats(self) -> dict[str, int]:
@@ -168,14 +210,16 @@ def _exit_with_parent(parent_end: Connection, addresses: tuple[str, ...]) -> Non
     os._exit(0)
 
 
-def run_engine_core(config: EngineConfig, input_address: str, output_address: str, parent_end: Connection) -> None:
-    """The engine-core process (the spawn target)."""
-    threading.Thread(target=_exit_with_parent, args=(parent_end, (input_address, output_address)),
+def run_engine_core(config: EngineConfig, input_addresses: list[str], output_addresses: list[str],
+                    parent_end: Connection) -> None:
+    """The engine-core process (the spawn target); one input and one output address per front end."""
+    set_process_name("EngineCore")
+    threading.Thread(target=_exit_with_parent, args=(parent_end, (*input_addresses, *output_addresses)),
                      daemon=True).start()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the front end's: it shuts the core down
     proc = None
     try:
-        proc = EngineCoreProc(config, input_address, output_address)
+        proc = EngineCoreProc(config, input_addresses, output_addresses)
         proc.run()
     except BaseException as e:
         logger.error("EngineCore encountered a fatal error: %s\n%s", e, traceback.format_exc())

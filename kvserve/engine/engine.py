@@ -21,7 +21,7 @@ from kvserve.engine.sampling import SamplingParams
 from kvserve.logger import init_logger
 
 if TYPE_CHECKING:
-    from kvserve.engine.core_client import CoreClient
+    from kvserve.engine.core_client import CoreAddress, CoreClient
     from kvserve.engine.kv_cache import KVCacheManager
     from kvserve.engine.scheduler import Scheduler
     from kvserve.runner.model_runner import ModelRunner
@@ -64,7 +64,10 @@ _OUTPUT_POLL_S = 0.005
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, multiprocess: bool = False) -> None:
+    def __init__(self, config: EngineConfig, multiprocess: bool = False,
+                 core_address: "CoreAddress | None" = None) -> None:
+        """``multiprocess``: the core in its own process, started here, or (``core_address``) one
+        the serve launcher started for several API servers."""
         self.config = config
         # skip_tokenizer_init (config.tokenizer is None): no tokenizer, token-id prompts only, no
         # output text (vLLM: the detokenizer is a no-op, the EOS id of the tokenizer is None and
@@ -80,7 +83,7 @@ class Engine:
         if multiprocess:
             from kvserve.engine.core_client import CoreClient
 
-            self.core = CoreClient(config)
+            self.core = CoreClient(config, address=core_address)
         else:
             self.core = EngineCore(config)
         self.output_processor = OutputProcessor(self.decoder)

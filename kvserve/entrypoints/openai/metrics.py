@@ -1,13 +1,19 @@
 """Prometheus metrics under vLLM's names, one ``CollectorRegistry`` per app (several servers can
-live in one process). Updated from the engine thread through ``AsyncLLM``'s observer hooks."""
+live in one process). Updated from the engine thread through ``AsyncLLM``'s observer hooks.
+
+With several API server processes (``--api-server-count``, ``PROMETHEUS_MULTIPROC_DIR`` set by the
+launcher), the request counters and histograms live in that directory and any server's ``/metrics``
+sums them over the servers (prometheus_client's multiprocess mode, as vLLM); the engine's gauges and
+preemption count come from the core's stats, which every server receives."""
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, multiprocess
 from prometheus_client import CONTENT_TYPE_LATEST
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 if TYPE_CHECKING:
     from kvserve.engine.async_llm import AsyncLLM
@@ -23,16 +29,30 @@ _E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
-class _EngineCounters:
-    """Cumulative engine counters read at scrape time (the engine thread owns them)."""
+def _multiprocess_dir() -> str | None:
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or os.environ.get("prometheus_multiproc_dir")
+
+
+class _EngineStats:
+    """The engine's gauges and cumulative preemptions, read at scrape time from the snapshot of the
+    core's stats that the engine thread refreshes."""
 
     def __init__(self, async_llm: "AsyncLLM", model_name: str) -> None:
         self.async_llm, self.model_name = async_llm, model_name
 
     def collect(self):
+        stats, lbl = self.async_llm.stats, ["model_name"]
+        for name, doc, value in (
+            ("vllm:num_requests_running", "Number of requests in model execution batches.", stats.num_running),
+            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", stats.num_waiting),
+            ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", stats.kv_cache_usage),
+        ):
+            g = GaugeMetricFamily(name, doc, labels=lbl)
+            g.add_metric([self.model_name], value)
+            yield g
         c = CounterMetricFamily("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
-                                labels=["model_name"])
-        c.add_metric([self.model_name], self.async_llm.stats.num_preemptions)
+                                labels=lbl)
+        c.add_metric([self.model_name], stats.num_preemptions)
         yield c
 
 
@@ -43,14 +63,12 @@ class ServerMetrics:
         self.registry = reg = CollectorRegistry()
         lbl = ["model_name"]
         m = {"model_name": model_name}
-        stats = lambda: async_llm.stats  # noqa: E731  (a snapshot the engine thread refreshes)
-        Gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
-              lbl, registry=reg).labels(**m).set_function(lambda: stats().num_running)
-        Gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
-              lbl, registry=reg).labels(**m).set_function(lambda: stats().num_waiting)
-        Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-              lbl, registry=reg).labels(**m).set_function(lambda: stats().kv_cache_usage)
-        reg.register(_EngineCounters(async_llm, model_name))
+        engine = _EngineStats(async_llm, model_name)
+        reg.register(engine)
+        self._multiprocess = _multiprocess_dir() is not None
+        if self._multiprocess:  # the request metrics of every API server process, summed at scrape time
+            self._engine_registry = CollectorRegistry()
+            self._engine_registry.register(engine)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.",
                                      lbl, registry=reg).labels(**m)
         self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.",
@@ -88,4 +106,8 @@ class ServerMetrics:
         self.e2e.observe(e2e_s)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if not self._multiprocess:
+            return generate_latest(self.registry)
+        shared = CollectorRegistry()
+        multiprocess.MultiProcessCollector(shared)
+        return generate_latest(self._engine_registry) + generate_latest(shared)
