@@ -84,14 +84,63 @@ def read_gauges(base_url: str) -> dict[str, float]:
     return out
 
 
-class Server:
-    """``kvserve serve`` in its own process group, stdout/stderr to ``log``."""
+def run_paced_source(port: int, period_s: float) -> None:
+    """An engine-free stand-in for ``kvserve serve``'s completions stream: each request gets its
+    ``max_tokens`` chunks, one every ``period_s`` (a sleep after each send, so the source itself never
+    sends two back to back). Driven at the real server's event rate (``--client-floor``), what the
+    client reports for it is the client's own floor: ITL below ``period_s`` means chunks waited in the
+    client's socket, not a burst from the server."""
+    import asyncio
 
-    def __init__(self, serve_args: list[str], log: Path, env: dict[str, str]) -> None:
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from starlette.routing import Route
+
+    def chunk(model: str, choices: list, usage: dict | None = None) -> str:
+        body = {"id": "cmpl-paced", "object": "text_completion", "created": 0, "model": model, "choices": choices}
+        if usage is not None:
+            body["usage"] = usage
+        return f"data: {json.dumps(body)}\n\n"
+
+    async def completions(request):
+        body = await request.json()
+        n, model = int(body.get("max_tokens") or 16), str(body.get("model") or "paced")
+
+        async def stream():
+            for i in range(n):
+                if i:
+                    await asyncio.sleep(period_s)
+                reason = "length" if i == n - 1 else None
+                yield chunk(model, [{"index": 0, "text": f" w{i}", "logprobs": None, "finish_reason": reason}])
+            yield chunk(model, [], {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1})
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    async def models(request):
+        return JSONResponse({"object": "list", "data": [{"id": "paced", "object": "model"}]})
+
+    async def empty(request):
+        return PlainTextResponse("")
+
+    app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]), Route("/v1/models", models),
+                            Route("/health", empty), Route("/metrics", empty)])
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+
+
+class Server:
+    """``kvserve serve`` (or, ``paced_period_s``, the paced source) in its own process group,
+    stdout/stderr to ``log``."""
+
+    def __init__(self, serve_args: list[str], log: Path, env: dict[str, str], paced_period_s: float | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
-        self.cmd = [*CLI, "serve", *serve_args, "--host", "127.0.0.1", "--port", str(self.port)]
+        if paced_period_s is None:
+            self.cmd = [*CLI, "serve", *serve_args, "--host", "127.0.0.1", "--port", str(self.port)]
+        else:
+            self.cmd = [sys.executable, __file__, "--paced-source", str(self.port), str(paced_period_s)]
         self.t0 = time.perf_counter()
         with open(log, "w") as f:
             self.proc = subprocess.Popen(self.cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -143,10 +192,25 @@ def child_pids(pid: int) -> list[int]:
     return kids
 
 
+def process_name(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
 def process_cpu(server: Server) -> dict[str, float]:
-    """CPU seconds so far of the API server process and of its children (the engine core)."""
-    return {"api_server": cpu_seconds(server.proc.pid),
-            "engine_core": sum(cpu_seconds(c) for c in child_pids(server.proc.pid))}
+    """CPU seconds so far of the API server process(es: the ``ApiServer_<i>`` children of the launcher
+    with ``--api-server-count`` > 1, plus the launcher) and of the ``EngineCore`` child."""
+    cpu = {"api_server": cpu_seconds(server.proc.pid), "engine_core": 0.0}
+    for kid in child_pids(server.proc.pid):
+        name = process_name(kid)
+        if name == "EngineCore":
+            cpu["engine_core"] += cpu_seconds(kid)
+        elif name.startswith("ApiServer_"):
+            cpu["api_server"] += cpu_seconds(kid)
+            cpu[name] = cpu_seconds(kid)
+    return cpu
 
 
 def bench_point(server: Server, a: argparse.Namespace, concurrency: int, work: Path, env: dict[str, str]) -> dict:
@@ -181,6 +245,23 @@ def bench_point(server: Server, a: argparse.Namespace, concurrency: int, work: P
     return point
 
 
+def client_floor(point: dict, a: argparse.Namespace, concurrency: int, work: Path, env: dict[str, str]) -> dict:
+    """The same requests against the paced source at ``point``'s TPOT p50 (the server's event rate)."""
+    period = point["median_tpot_ms"] / 1e3
+    source = Server([], work / f"paced_{concurrency}.log", env, paced_period_s=period)
+    try:
+        source.wait_healthy(60)
+        r = bench_point(source, a, concurrency, work, env)
+    finally:
+        source.stop()
+    floor = {"period_ms": period * 1e3, **{k: r.get(k) for k in (
+        "output_throughput", "median_tpot_ms", "median_itl_ms", "p99_itl_ms", "failed", "cpu_share_of_wall")}}
+    print(f"[serve]   client floor at a steady {period * 1e3:.2f} ms a chunk: {floor['output_throughput']:.0f} tok/s, "
+          f"ITL p50 {floor['median_itl_ms']:.2f} / p99 {floor['p99_itl_ms']:.2f} ms, client CPU "
+          f"{floor['cpu_share_of_wall'].get('client', 0):.2f}", flush=True)
+    return floor
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -202,6 +283,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--serve-args", default="", help="more `kvserve serve` flags, one string (e.g. '--enforce-eager')")
     p.add_argument("--startup-timeout-s", type=float, default=600.0)
     p.add_argument("--point-timeout-s", type=float, default=600.0)
+    p.add_argument("--client-floor", action="store_true",
+                   help="after each point, the same requests against an engine-free source that streams one chunk "
+                        "per request every (that point's TPOT p50): the client's own ITL floor at that event rate")
+    p.add_argument("--paced-source", nargs=2, metavar=("PORT", "PERIOD_S"), default=None, help=argparse.SUPPRESS)
     p.add_argument("--smoke", action="store_true", help="CPU: a tiny config, 16 in / 8 out, concurrency 1,4")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/serve_<time>.json)")
     a = p.parse_args(argv)
@@ -218,6 +303,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     a = parse_args(argv)
+    if a.paced_source:
+        run_paced_source(int(a.paced_source[0]), float(a.paced_source[1]))
+        return 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout` ends us: stop the server first
     tmp = tempfile.TemporaryDirectory(prefix="serve-bench-")
     work = Path(tmp.name)
@@ -269,6 +357,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"failed {point['failed']}; CPU share of wall: API server {share.get('api_server', 0):.2f}, "
                       f"engine core {share.get('engine_core', 0):.2f}, client {share.get('client', 0):.2f}; API "
                       f"server {point['api_server_us_per_output_token']:.1f} us CPU per output token", flush=True)
+                if a.client_floor:
+                    point["client_floor"] = client_floor(point, a, c, work, env)
                 common.write_json(out, doc)
         except Exception as e:  # noqa: BLE001 - keep the other dtype's points; the run fails
             failed = True

@@ -160,8 +160,8 @@ def run_multi_api_server(args: argparse.Namespace, count: int) -> int:
     config = EngineArgs(**engine_kwargs(args)).create_engine_config()
     core = start_core_process(config, count)
     mp = multiprocessing.get_context("spawn")
-    servers = [mp.Process(target=run_api_server_worker, name=f"ApiServer_{i}", args=(args, sock, config, core.address(i)))
-               for i in range(count)]
+    servers = [mp.Process(target=run_api_server_worker, name=f"ApiServer_{i}",
+                          args=(args, sock, config, core.address(i))) for i in range(count)]
     code = 0
     try:
         for p in servers:
