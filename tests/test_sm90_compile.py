@@ -39,13 +39,27 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kvserve.kernels import triton_attention as ta
 
-fn = ta._attention_kernel
-names = fn.arg_names
 POINTERS = {"out_ptr": "*bf16", "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "q_ptr": "*bf16",
             "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_ptr": "*i32", "order_ptr": "*i32",
             "k_scale_ptr": "*fp32",
             "v_scale_ptr": "*fp32", "q_scale_ptr": "*fp32", "inv_q_scale_ptr": "*fp32"}
 out = {}
+
+
+def build(fn, const, cache, warps, stages, maxnreg):
+    # fn for sm_90 with the constexprs const, the cache pointer's type and what a launch tells the
+    # compiler (pointers and the cache's / heads' strides are multiples of 16)
+    names = fn.arg_names
+    sig = {n: "constexpr" if n in const else POINTERS.get(n) or ("fp32" if n == "qk_scale" else "i32") for n in names}
+    sig["cache_ptr"] = cache
+    div16 = [n for n in names if n.endswith("_ptr") or n in ("stride_qh", "stride_oh", "stride_cb", "stride_ckv",
+                                                             "stride_cs", "stride_ch")]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div16}
+    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
+    options = {"num_warps": warps, "num_stages": stages, **({"maxnreg": maxnreg} if maxnreg else {})}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
 for name, qlen, head, g, fp8, qfp8, pv_fp8 in json.loads(sys.argv[1]):
     bm, tn, warps, stages, maxnreg = ta._tile_config(qlen, g, head, True, fp8, False, False)
     f16 = qfp8 and bm < ta.FP16_MMA_BELOW_ROWS  # decode tiles: fp16 MMAs on the e4m3 values
@@ -54,16 +68,8 @@ for name, qlen, head, g, fp8, qfp8, pv_fp8 in json.loads(sys.argv[1]):
                  TILE_N=tn, FP8=fp8, IEEE=False, SPLIT=False, PDL=False, QUERY_FP8=qfp8,
                  P_SHIFT=8 if qfp8 else 0, PV_FP8=pv_fp8 and not f16, HEAVY_FIRST=True, FP16_MMA=f16,
                  DECODE=qlen == 1, ORDERED=qlen == 1, HK=8)
-    sig = {n: "constexpr" if n in const else POINTERS.get(n) or ("fp32" if n == "qk_scale" else "i32") for n in names}
-    sig["cache_ptr"] = "*fp8e4nv" if fp8 else "*bf16"  # fp8 pages are read through an e4m3 view
-    # what a launch tells the compiler: pointers and the cache's / heads' strides are multiples of 16
-    div16 = [n for n in names if n.endswith("_ptr") or n in ("stride_qh", "stride_oh", "stride_cb", "stride_ckv",
-                                                             "stride_cs", "stride_ch")]
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div16}
-    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
-    options = {"num_warps": warps, "num_stages": stages, **({"maxnreg": maxnreg} if maxnreg else {})}
-    try:
-        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    try:  # fp8 pages are read through an e4m3 view
+        k = build(ta._attention_kernel, const, "*fp8e4nv" if fp8 else "*bf16", warps, stages, maxnreg)
     except Exception as e:
         out[name] = {"error": f"{type(e).__name__}: {str(e)[:2000]}"}
         continue
@@ -88,21 +94,12 @@ def byte_loads(kernel):  # shared-memory loads of single bytes in the SASS (None
 
 
 out["decode-h128-fp8q"]["byte_loads"] = byte_loads(unpaired_decode)
-fn = ta._paired_decode_kernel
-names = fn.arg_names
 for name, head, g, qfp8, split, e5m2 in json.loads(sys.argv[2]):
     bm, tn, warps, stages, maxnreg = ta._tile_config(1, g, head, True, True, split, False)
     const = dict(G=g, BLOCK_M=bm, BLOCK_Q=bm // g, HEAD=head, HEAD_PAD=head, PAGE=16, TILE_N=tn, SPLIT=split,
                  PDL=False, QUERY_FP8=qfp8, P_SHIFT=8 if qfp8 else 0, ORDERED=True, HK=8, ASM=True, E5M2=e5m2)
-    sig = {n: "constexpr" if n in const else POINTERS.get(n) or ("fp32" if n == "qk_scale" else "i32") for n in names}
-    sig["cache_ptr"] = "*u16"  # the pages as 16-bit words
-    div16 = [n for n in names if n.endswith("_ptr") or n in ("stride_qh", "stride_oh", "stride_cb", "stride_ckv",
-                                                             "stride_cs", "stride_ch")]
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div16}
-    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
-    options = {"num_warps": warps, "num_stages": stages, **({"maxnreg": maxnreg} if maxnreg else {})}
-    try:
-        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    try:  # the pages as 16-bit words
+        k = build(ta._paired_decode_kernel, const, "*u16", warps, stages, maxnreg)
     except Exception as e:
         out[name] = {"error": f"{type(e).__name__}: {str(e)[:2000]}"}
         continue

@@ -138,6 +138,33 @@ def _load_kv_tile(
 
 
 @triton.jit
+def _softmax_update(s, m_i, l_i, n, q_pos, num_keys, scale2, MASKED: tl.constexpr, IEEE: tl.constexpr,
+                    P_SHIFT: tl.constexpr):
+    """Online softmax (base 2) over a tile's raw scores ``s`` [rows, keys at ``n``]: the new running
+    max, the new running sum, P and the rescale ``alpha`` of what came before. ``MASKED``: keys past
+    ``num_keys`` or after a row's position get -inf; else the score scale folds into one FMA per
+    score (``IEEE``: float32 models keep the masked path's roundings)."""
+    if MASKED:
+        s = s * scale2
+        visible = (n[None, :] <= q_pos[:, None]) & (n < num_keys)[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - _shifted(m_safe, P_SHIFT)[:, None])
+    elif IEEE:
+        s = s * scale2
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = m_new
+        p = tl.exp2(s - _shifted(m_safe, P_SHIFT)[:, None])
+    else:  # (scale2 > 0, so the max commutes with it)
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * scale2)
+        m_safe = m_new
+        p = tl.exp2(s * scale2 - _shifted(m_safe, P_SHIFT)[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    return m_new, l_i * alpha + tl.sum(p, axis=1), p, alpha
+
+
+@triton.jit
 def _attend_tile(
     t, m_i, l_i, acc, q, q_pos, num_keys, scale2, cache_ptr, table, kv_head,
     stride_cb, stride_ckv, stride_cs, stride_ch,
@@ -154,8 +181,6 @@ def _attend_tile(
     runs Q K^T that way too (q arrives as fp16 copies of its e4m3 values)."""
     n, k, v = _load_kv_tile(t, num_keys, cache_ptr, table, kv_head, stride_cb, stride_ckv, stride_cs, stride_ch,
                             HEAD, HEAD_PAD, PAGE, TILE_N, MASKED)
-    if MASKED:
-        n_ok = n < num_keys
     if not QUERY_FP8 or FP16_MMA:
         k = k.to(q.dtype)
         v = v.to(q.dtype)
@@ -163,25 +188,7 @@ def _attend_tile(
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
-    if MASKED:
-        s = s * scale2
-        visible = (n[None, :] <= q_pos[:, None]) & n_ok[None, :]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - _shifted(m_safe, P_SHIFT)[:, None])
-    elif IEEE:
-        s = s * scale2  # float32 models keep the masked path's roundings
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = m_new
-        p = tl.exp2(s - _shifted(m_safe, P_SHIFT)[:, None])
-    else:
-        # scale folded into one FMA per score (scale2 > 0, so the max commutes with it)
-        m_new = tl.maximum(m_i, tl.max(s, axis=1) * scale2)
-        m_safe = m_new
-        p = tl.exp2(s * scale2 - _shifted(m_safe, P_SHIFT)[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    m_new, l_i, p, alpha = _softmax_update(s, m_i, l_i, n, q_pos, num_keys, scale2, MASKED, IEEE, P_SHIFT)
     if QUERY_FP8 and PV_FP8:
         pv = tl.dot(p.to(tl.float8e4nv), v)
     elif QUERY_FP8:
@@ -194,6 +201,28 @@ def _attend_tile(
     return m_new, l_i, acc
 
 
+def _pairs_to_f16_ptx(fmt: str) -> str:
+    """Two 16-bit words of two ``fmt`` bytes each -> the even bytes' fp16 pair and the odd bytes'."""
+    return f"""{{
+    .reg .b32 a;
+    .reg .b16 lo, hi;
+    prmt.b32 a, $2, 0, 0x3120;
+    mov.b32 {{lo, hi}}, a;
+    cvt.rn.f16x2.{fmt}x2 $0, lo;
+    cvt.rn.f16x2.{fmt}x2 $1, hi;
+    }}"""
+
+
+_PAIRS_E4M3 = tl.constexpr(_pairs_to_f16_ptx("e4m3"))
+_PAIRS_E5M2 = tl.constexpr(_pairs_to_f16_ptx("e5m2"))
+
+
+@triton.jit
+def _inline_pairs_to_f16(x, PTX: tl.constexpr):
+    return tl.inline_asm_elementwise(asm=PTX, constraints="=r,=r,r", args=[x], dtype=(tl.float16, tl.float16),
+                                     is_pure=True, pack=2)
+
+
 @triton.jit
 def _fp8_pairs_to_f16(x, ASM: tl.constexpr, E5M2: tl.constexpr):
     """16-bit words of two fp8 bytes (an even and an odd head column) -> (the even bytes, the odd
@@ -201,26 +230,8 @@ def _fp8_pairs_to_f16(x, ASM: tl.constexpr, E5M2: tl.constexpr):
     words, taking the words as ldmatrix leaves them; else Triton's casts (the interpreter, sm_80)."""
     if ASM:
         if E5M2:
-            return tl.inline_asm_elementwise(
-                asm="""{
-                .reg .b32 a;
-                .reg .b16 lo, hi;
-                prmt.b32 a, $2, 0, 0x3120;
-                mov.b32 {lo, hi}, a;
-                cvt.rn.f16x2.e5m2x2 $0, lo;
-                cvt.rn.f16x2.e5m2x2 $1, hi;
-                }""",
-                constraints="=r,=r,r", args=[x], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
-        return tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b32 a;
-            .reg .b16 lo, hi;
-            prmt.b32 a, $2, 0, 0x3120;
-            mov.b32 {lo, hi}, a;
-            cvt.rn.f16x2.e4m3x2 $0, lo;
-            cvt.rn.f16x2.e4m3x2 $1, hi;
-            }""",
-            constraints="=r,=r,r", args=[x], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
+            return _inline_pairs_to_f16(x, _PAIRS_E5M2)
+        return _inline_pairs_to_f16(x, _PAIRS_E4M3)
     fp8: tl.constexpr = tl.float8e5 if E5M2 else tl.float8e4nv
     even = (x & 0xFF).to(tl.uint8).to(fp8, bitcast=True).to(tl.float16)
     odd = (x >> 8).to(tl.uint8).to(fp8, bitcast=True).to(tl.float16)
@@ -237,38 +248,13 @@ def _attend_paired_tile(
     """``_attend_tile`` for the paired decode: K and V read as 16-bit words (cache strides in words),
     the even and odd head columns kept apart (``q_e`` / ``q_o``, ``acc_e`` / ``acc_o``); the scores
     sum both halves' products (fp32 MMA sums, the same products as one dot in another order)."""
-    n = t * TILE_N + tl.arange(0, TILE_N)
-    j = tl.arange(0, HEAD_PAD // 2)
-    if MASKED:
-        n_ok = n < num_keys
-        page = tl.load(table + n // PAGE, mask=n_ok, other=0)
-        kv_mask = n_ok[:, None] & (j < HEAD // 2)[None, :]
-    else:
-        page = tl.load(table + n // PAGE)
-        kv_mask = (n >= 0)[:, None] & (j < HEAD // 2)[None, :]
-    off = page.to(tl.int64) * stride_cb + (n % PAGE) * stride_cs + kv_head * stride_ch
-    if HEAD_PAD == HEAD and not MASKED:
-        k = tl.load(cache_ptr + off[:, None] + j[None, :])
-        v = tl.load(cache_ptr + stride_ckv + off[:, None] + j[None, :])
-    else:
-        k = tl.load(cache_ptr + off[:, None] + j[None, :], mask=kv_mask, other=0)
-        v = tl.load(cache_ptr + stride_ckv + off[:, None] + j[None, :], mask=kv_mask, other=0)
+    # the words of a tile: HEAD // 2 columns of two bytes each
+    n, k, v = _load_kv_tile(t, num_keys, cache_ptr, table, kv_head, stride_cb, stride_ckv, stride_cs, stride_ch,
+                            HEAD // 2, HEAD_PAD // 2, PAGE, TILE_N, MASKED)
     k_e, k_o = _fp8_pairs_to_f16(k, ASM, E5M2)
     v_e, v_o = _fp8_pairs_to_f16(v, ASM, E5M2)
     s = tl.dot(q_o, tl.trans(k_o), acc=tl.dot(q_e, tl.trans(k_e)))
-    if MASKED:
-        s = s * scale2
-        visible = (n[None, :] <= q_pos[:, None]) & n_ok[None, :]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - _shifted(m_safe, P_SHIFT)[:, None])
-    else:
-        m_new = tl.maximum(m_i, tl.max(s, axis=1) * scale2)
-        m_safe = m_new
-        p = tl.exp2(s * scale2 - _shifted(m_safe, P_SHIFT)[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    m_new, l_i, p, alpha = _softmax_update(s, m_i, l_i, n, q_pos, num_keys, scale2, MASKED, False, P_SHIFT)
     if QUERY_FP8:
         p16 = p.to(tl.float8e4nv).to(tl.float16)  # e4m3-rounded P, exact in fp16
     else:
@@ -278,11 +264,12 @@ def _attend_paired_tile(
     return m_new, l_i, acc_e, acc_o
 
 
-@triton.jit(do_not_specialize=["stride_bt", "num_splits", "stride_qt", "stride_ot"])
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt", "num_splits", "stride_qt", "stride_ot"])
 def _paired_decode_kernel(
     out_ptr, part_acc_ptr, part_ml_ptr,
     q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, order_ptr,
     k_scale_ptr, v_scale_ptr, q_scale_ptr, inv_q_scale_ptr, qk_scale,
+    num_seqs,  # (the grid has one program per sequence x KV head: unused, as in ``_attention_kernel``'s decode)
     stride_qt, stride_qh,
     stride_ot, stride_oh,
     stride_cb, stride_ckv, stride_cs, stride_ch,
@@ -679,44 +666,29 @@ def paged_attention(
     else:
         grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
     ordered = decode and order is not None
-    if decode and fp8 and query.dtype != torch.float32 and head % 2 == 0 and (
-            PAIRED_DECODE if paired is None else paired):
-        words = kv_cache.view(torch.uint16)  # two fp8 bytes a word: strides in words
+    paired = decode and fp8 and query.dtype != torch.float32 and head % 2 == 0 and (
+        PAIRED_DECODE if paired is None else paired)
+    if paired:
+        cache = kv_cache.view(torch.uint16)  # two fp8 bytes a word: strides in words
+    args = [out, part_acc, part_ml, query, cache, block_tables, seq_lens, query_start_loc,
+            order if ordered else seq_lens, k_scale_t, v_scale_t, q_scale_t, inv_q_scale_t, float(scale), num_seqs,
+            query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+            cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3), block_tables.stride(0), num_splits]
+    common = dict(G=group, BLOCK_M=block_m, BLOCK_Q=block_q, HEAD=head, HEAD_PAD=head_pad, PAGE=page, TILE_N=tile_n,
+                  SPLIT=num_splits > 1, QUERY_FP8=query_fp8, P_SHIFT=quant.p_shift if query_fp8 else 0,
+                  ORDERED=ordered, HK=num_kv_heads, num_warps=num_warps, num_stages=num_stages, **launch_opts,
+                  **pdl.launch_options(query.device))
+    if paired:
         _paired_decode_kernel[grid](
-            out, part_acc, part_ml,
-            query, words, block_tables, seq_lens, query_start_loc, order if ordered else seq_lens,
-            k_scale_t, v_scale_t, q_scale_t, inv_q_scale_t, float(scale),
-            query.stride(0), query.stride(1),
-            out.stride(0), out.stride(1),
-            words.stride(0), words.stride(1), words.stride(2), words.stride(3),
-            block_tables.stride(0),
-            num_splits,
-            G=group, BLOCK_M=block_m, BLOCK_Q=block_q,
-            HEAD=head, HEAD_PAD=head_pad, PAGE=page, TILE_N=tile_n,
-            SPLIT=num_splits > 1, QUERY_FP8=query_fp8, P_SHIFT=quant.p_shift if query_fp8 else 0,
-            ORDERED=ordered, HK=num_kv_heads, ASM=is_cuda and torch.cuda.get_device_capability(query.device) >= (8, 9),
-            E5M2=quant.fp8_dtype == torch.float8_e5m2,
-            num_warps=num_warps, num_stages=num_stages, **launch_opts, **pdl.launch_options(query.device),
+            *args, ASM=is_cuda and torch.cuda.get_device_capability(query.device) >= (8, 9),
+            E5M2=quant.fp8_dtype == torch.float8_e5m2, **common,
         )
     else:
         _attention_kernel[grid](
-            out, part_acc, part_ml,
-            query, cache, block_tables, seq_lens, query_start_loc, order if ordered else seq_lens,
-            k_scale_t, v_scale_t, q_scale_t, inv_q_scale_t, float(scale),
-            num_seqs,
-            query.stride(0), query.stride(1),
-            out.stride(0), out.stride(1),
-            cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
-            block_tables.stride(0),
-            num_splits,
-            G=group, BLOCK_M=block_m, BLOCK_Q=block_q,
-            HEAD=head, HEAD_PAD=head_pad, PAGE=page, TILE_N=tile_n,
-            FP8=fp8, IEEE=query.dtype == torch.float32,
-            SPLIT=num_splits > 1, QUERY_FP8=query_fp8, P_SHIFT=quant.p_shift if query_fp8 else 0,
+            *args, FP8=fp8, IEEE=query.dtype == torch.float32,
             PV_FP8=(PV_FP8 if pv_fp8 is None else pv_fp8) and not fp16_mma_on,
             HEAVY_FIRST=HEAVY_FIRST if heavy_first is None else heavy_first,
-            FP16_MMA=fp16_mma_on, DECODE=decode, ORDERED=ordered, HK=num_kv_heads,
-            num_warps=num_warps, num_stages=num_stages, **launch_opts, **pdl.launch_options(query.device),
+            FP16_MMA=fp16_mma_on, DECODE=decode, **common,
         )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
