@@ -601,6 +601,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                     help="kvserve --async-scheduling (default: the engine's, on for CUDA)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ap.add_argument("--paired-decode", action=argparse.BooleanOptionalAction, default=None,
+                    help="fp8 pages' decode by the paired kernel (triton_attention.PAIRED_DECODE; default: the "
+                         "module's)")
     ap.add_argument("--device", default=None, help="default: cuda (cpu with --smoke)")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny Qwen3 config on CPU, 4 requests of short lengths, reference backend")
@@ -613,6 +616,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     peer_cb = json.loads(args.peer_cb_config)
+    from kvserve.kernels import triton_attention
+
+    if args.paired_decode is not None:  # read at each call: every engine of this run decodes so
+        triton_attention.PAIRED_DECODE = args.paired_decode
     device = args.device or ("cpu" if args.smoke else "cuda")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("CUDA is not available: run on the GPU machine, or use --smoke (CPU)")
@@ -665,6 +672,7 @@ def main(argv: list[str] | None = None) -> int:
             "kv_cache_dtypes": kv_dtypes, "max_num_seqs": max_num_seqs, "max_model_len": max_model_len,
             "load_format": args.load_format, "skip_tokenizer_init": True, "dtype": "bfloat16",
             "enforce_eager": args.enforce_eager, "async_scheduling": args.async_scheduling, "num_warmup": args.num_warmup, "engine_extra": engine_extra,
+            "paired_decode": triton_attention.PAIRED_DECODE,
             "peer_requests": None if args.skip_peer else peer_n, "peer_model": None if args.skip_peer else peer_model,
         },
         "models": {},

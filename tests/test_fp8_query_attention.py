@@ -35,7 +35,8 @@ def _tile_n(b: Batch, num_splits: int) -> int:
     return triton_attention.fp8_query_key_tile(b.query, b.kv_cache, max(b.query_lens), ON_GPU, num_splits > 1)
 
 
-def _check(b: Batch, quant: CacheQuant, num_splits: int = 1, pv_fp8: bool | None = None) -> dict:
+def _check(b: Batch, quant: CacheQuant, num_splits: int = 1, pv_fp8: bool | None = None,
+           paired: bool | None = None) -> dict:
     """Kernel vs twin within the twin's own spread; returns the measured figures.
 
     The kernel runs with fp16 MMAs on the e4m3 values on a GPU (exact products, fp32 sums, like the
@@ -53,7 +54,8 @@ def _check(b: Batch, quant: CacheQuant, num_splits: int = 1, pv_fp8: bool | None
     def run(**kw) -> torch.Tensor:
         out = torch.full(b.query.shape, math.nan, dtype=b.query.dtype, device=DEV)
         got = triton_attention.paged_attention(b.query, b.kv_cache, scale=scale, quant=quant, out=out,
-                                               num_splits=num_splits, pv_fp8=pv_fp8, **kw, **b.kernel_args())
+                                               num_splits=num_splits, pv_fp8=pv_fp8, paired=paired, **kw,
+                                               **b.kernel_args())
         assert bool(torch.isfinite(got).all()), "rows left unwritten or poisoned pages read"
         return got
 
@@ -112,14 +114,15 @@ def test_chunks_over_several_query_blocks_match_the_twin():
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("qd", ["fp32", "bf16"])
+@pytest.mark.parametrize("qd", ["fp32", "bf16", "bf16-paired"])
 def test_decode_batch_matches_the_twin(qd, num_splits):
     """Decode-only, one split or three (each split's own running max, then the merge: the twin
-    splits the same way); contexts up to 5 of the 64-key tiles."""
+    splits the same way); contexts up to 5 of the 64-key tiles; the paired decode too (the pages
+    read in 16-bit words)."""
     seq_lens = [33, 1, 97, 64, 128, 300, 257]
     gen = _gen("fp8q-dec", qd, num_splits)
-    b = _make_batch([1] * len(seq_lens), seq_lens, 8, 2, 128, 16, FLOAT[qd], "fp8_e4m3", gen)
-    _check(b, _quant(8), num_splits)
+    b = _make_batch([1] * len(seq_lens), seq_lens, 8, 2, 128, 16, FLOAT[qd.split("-")[0]], "fp8_e4m3", gen)
+    _check(b, _quant(8), num_splits, paired=qd.endswith("paired") or None)
 
 
 def test_queries_beyond_e4m3_range_saturate():
@@ -163,3 +166,5 @@ def test_gpu_batches_match_the_twin(hq, hk, d, qd, shift, record_property):
     splits = triton_attention.choose_num_splits(16, hk, max(seq_lens), b.query.device)
     assert splits > 1
     record_property("decode", _check(b, _quant(shift, 1.0), num_splits=splits))
+    if qd != "fp32":  # the paired decode (fp32 queries keep the IEEE path)
+        record_property("decode_paired", _check(b, _quant(shift, 1.0), num_splits=splits, paired=True))

@@ -445,6 +445,29 @@ def test_attention_decode_only(case, num_splits):
     _check_attention(b, num_splits=num_splits, order=_order(seq_lens))
 
 
+# (Hq, Hk, D, block size, query dtype, cache): the paired decode of fp8 pages across G 1 / 3 / 4 / 6,
+# heads 64 / 96 (padded to 128) / 128 / 256, e4m3 and e5m2, bf16 and fp16 queries
+PAIRED_CASES = [
+    (8, 2, 128, 16, "bf16", "fp8_e4m3"),
+    (4, 4, 64, 32, "fp16", "fp8_e5m2"),
+    (6, 2, 96, 16, "bf16", "fp8_e4m3"),
+    (12, 2, 256, 16, "bf16", "fp8_e5m2"),
+]
+
+
+@pytest.mark.parametrize("num_splits", [None, 3])
+@pytest.mark.parametrize("case", PAIRED_CASES, ids=_case_id)
+def test_paired_decode_matches_the_reference(case, num_splits):
+    """fp8 pages' decode with the pages read in 16-bit words (``paired``), the dequantizing read:
+    the reference's rows, batch order and longest first, split or not."""
+    hq, hk, d, bs, qd, cache = case
+    gen = _gen("paired", case, num_splits)
+    seq_lens = [33, 1, 97, 64, 300]
+    b = _make_batch([1] * len(seq_lens), seq_lens, hq, hk, d, bs, FLOAT[qd], cache, gen)
+    _check_attention(b, num_splits=num_splits, paired=True)
+    _check_attention(b, num_splits=num_splits, order=_order(seq_lens), paired=True)
+
+
 def _order(seq_lens: list[int]) -> torch.Tensor:
     order = decode_order(seq_lens)
     assert sorted(order) == list(range(len(seq_lens))) and order != list(range(len(seq_lens)))
@@ -552,6 +575,8 @@ def test_attention_decode_only_gpu(d, cache, num_splits):
     qd = "fp32" if cache == "fp32" else "bf16"
     b = _make_batch([1] * len(seq_lens), seq_lens, 32, 8, d, 16, FLOAT[qd], cache, gen)
     _check_attention(b, num_splits=num_splits, order=_order(seq_lens) if d == 128 else None)
+    if cache.startswith("fp8"):  # the paired decode (its inline PTX runs only here)
+        _check_attention(b, num_splits=num_splits, order=_order(seq_lens) if d == 128 else None, paired=True)
 
 
 @pytest.mark.parametrize("q_mag", [3e4, 1e-5])
