@@ -114,15 +114,15 @@ def test_chunks_over_several_query_blocks_match_the_twin():
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("qd", ["fp32", "bf16", "bf16-paired"])
+@pytest.mark.parametrize("qd", ["fp32", "bf16-unpaired", "bf16-paired"])
 def test_decode_batch_matches_the_twin(qd, num_splits):
     """Decode-only, one split or three (each split's own running max, then the merge: the twin
-    splits the same way); contexts up to 5 of the 64-key tiles; the paired decode too (the pages
-    read in 16-bit words)."""
+    splits the same way); contexts up to 5 of the 64-key tiles; bf16 queries through both decodes
+    (the paired one reads the pages in 16-bit words)."""
     seq_lens = [33, 1, 97, 64, 128, 300, 257]
     gen = _gen("fp8q-dec", qd, num_splits)
     b = _make_batch([1] * len(seq_lens), seq_lens, 8, 2, 128, 16, FLOAT[qd.split("-")[0]], "fp8_e4m3", gen)
-    _check(b, _quant(8), num_splits, paired=qd.endswith("paired") or None)
+    _check(b, _quant(8), num_splits, paired=None if qd == "fp32" else qd.endswith("-paired"))
 
 
 def test_queries_beyond_e4m3_range_saturate():
@@ -165,6 +165,6 @@ def test_gpu_batches_match_the_twin(hq, hk, d, qd, shift, record_property):
     b = _make_batch([1] * 16, seq_lens, hq, hk, d, 16, FLOAT[qd], "fp8_e4m3", gen)
     splits = triton_attention.choose_num_splits(16, hk, max(seq_lens), b.query.device)
     assert splits > 1
-    record_property("decode", _check(b, _quant(shift, 1.0), num_splits=splits))
-    if qd != "fp32":  # the paired decode (fp32 queries keep the IEEE path)
-        record_property("decode_paired", _check(b, _quant(shift, 1.0), num_splits=splits, paired=True))
+    record_property("decode", _check(b, _quant(shift, 1.0), num_splits=splits))  # bf16: the paired decode
+    if qd != "fp32":  # and the unpaired one (fp32 queries always take it: the IEEE path)
+        record_property("decode_unpaired", _check(b, _quant(shift, 1.0), num_splits=splits, paired=False))

@@ -574,9 +574,10 @@ def test_attention_decode_only_gpu(d, cache, num_splits):
     seq_lens = [1, 2, 15, 16, 17] + torch.randint(1, 4000, (59,), generator=gen).tolist()
     qd = "fp32" if cache == "fp32" else "bf16"
     b = _make_batch([1] * len(seq_lens), seq_lens, 32, 8, d, 16, FLOAT[qd], cache, gen)
-    _check_attention(b, num_splits=num_splits, order=_order(seq_lens) if d == 128 else None)
-    if cache.startswith("fp8"):  # the paired decode (its inline PTX runs only here)
-        _check_attention(b, num_splits=num_splits, order=_order(seq_lens) if d == 128 else None, paired=True)
+    order = _order(seq_lens) if d == 128 else None
+    _check_attention(b, num_splits=num_splits, order=order)  # fp8 pages: the paired decode (its PTX runs only here)
+    if cache.startswith("fp8"):  # and the unpaired one
+        _check_attention(b, num_splits=num_splits, order=order, paired=False)
 
 
 @pytest.mark.parametrize("q_mag", [3e4, 1e-5])
