@@ -205,10 +205,28 @@ def _error_text(obj: Any) -> str:
     return str(obj)
 
 
+class _SSEMessages:
+    """Splits a byte stream into server-sent-event messages (blank-line separated) across reads, as
+    vLLM's client does: one network read may hold several events or part of one."""
+
+    def __init__(self) -> None:
+        self._buf = b""
+
+    def feed(self, chunk: bytes) -> list[str]:
+        self._buf += chunk
+        *messages, self._buf = self._buf.replace(b"\r\n", b"\n").split(b"\n\n")
+        return [m.decode("utf-8") for m in messages if m.strip()]
+
+    def rest(self) -> list[str]:
+        tail, self._buf = self._buf, b""
+        return [tail.decode("utf-8")] if tail.strip() else []
+
+
 async def send_request(client: Any, url: str, headers: dict[str, str], payload: dict[str, Any],
                        req: SampleRequest, chat: bool) -> RequestResult:
-    """Stream one request; parse ``data:`` lines until ``[DONE]``; time every text chunk."""
-    import httpx
+    """Stream one request (aiohttp, as vLLM's client); parse ``data:`` events until ``[DONE]``; time
+    every text chunk (events that arrive in one read share its time, as in vLLM's client)."""
+    import aiohttp
 
     out = RequestResult(prompt_len=req.prompt_len)
     st = time.perf_counter()
@@ -217,58 +235,70 @@ async def send_request(client: Any, url: str, headers: dict[str, str], payload: 
     chunks = 0
     usage_tokens = None
     text_parts: list[str] = []
+    sse = _SSEMessages()
     try:
-        async with client.stream("POST", url, json=payload, headers=headers) as resp:
-            if resp.status_code != 200:
-                body = (await resp.aread()).decode("utf-8", "replace")
+        async with client.post(url, json=payload, headers=headers) as resp:
+            if resp.status != 200:
+                body = (await resp.read()).decode("utf-8", "replace")
                 try:
                     detail = _error_text(json.loads(body))
                 except (json.JSONDecodeError, ValueError):
                     detail = body.strip()
-                out.error = f"HTTP {resp.status_code}: {detail[:300]}"
+                out.error = f"HTTP {resp.status}: {detail[:300]}"
                 return out
-            async for line in resp.aiter_lines():
-                line = line.strip()
-                if not line.startswith("data:"):
+            done = False
+            async for data_bytes in resp.content.iter_any():
+                messages = sse.feed(data_bytes)
+                if not messages:
                     continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                try:
-                    obj = json.loads(data)
-                except json.JSONDecodeError:
-                    out.error = f"bad stream chunk: {data[:200]!r}"
-                    return out
-                if not isinstance(obj, dict):
-                    continue
-                if "error" in obj and not obj.get("choices"):
-                    out.error = f"stream error: {_error_text(obj)[:300]}"
-                    return out
-                usage = obj.get("usage")
-                if isinstance(usage, dict):
-                    if usage.get("completion_tokens") is not None:
-                        usage_tokens = int(usage["completion_tokens"])
-                    if not req.exact_prompt_len and usage.get("prompt_tokens"):
-                        out.prompt_len = int(usage["prompt_tokens"])
-                choices = obj.get("choices") or []
-                if not choices:
-                    continue
-                text = _chunk_text(choices[0], chat)
-                if not text:
-                    continue  # role-only / finish-only chunks carry no token
                 now = time.perf_counter()
-                if chunks == 0:
-                    out.ttft = now - st
-                else:
-                    out.itl.append(now - last)
-                last = now
-                chunks += 1
-                text_parts.append(text)
-    except httpx.ConnectError as e:
+                for message in messages:
+                    for line in message.split("\n"):
+                        line = line.strip()
+                        if not line.startswith("data:"):
+                            continue  # SSE comments, event names
+                        data = line[5:].strip()
+                        if data == "[DONE]":
+                            done = True
+                            break
+                        try:
+                            obj = json.loads(data)
+                        except json.JSONDecodeError:
+                            out.error = f"bad stream chunk: {data[:200]!r}"
+                            return out
+                        if not isinstance(obj, dict):
+                            continue
+                        if "error" in obj and not obj.get("choices"):
+                            out.error = f"stream error: {_error_text(obj)[:300]}"
+                            return out
+                        usage = obj.get("usage")
+                        if isinstance(usage, dict):
+                            if usage.get("completion_tokens") is not None:
+                                usage_tokens = int(usage["completion_tokens"])
+                            if not req.exact_prompt_len and usage.get("prompt_tokens"):
+                                out.prompt_len = int(usage["prompt_tokens"])
+                        choices = obj.get("choices") or []
+                        if not choices:
+                            continue
+                        text = _chunk_text(choices[0], chat)
+                        if not text:
+                            continue  # role-only / finish-only chunks carry no token
+                        if chunks == 0:
+                            out.ttft = now - st
+                        else:
+                            out.itl.append(now - last)
+                        last = now
+                        chunks += 1
+                        text_parts.append(text)
+                    if done:
+                        break
+                if done:
+                    break
+    except aiohttp.ClientConnectorError as e:
         out.error = f"cannot connect: {e or type(e).__name__}"
         out.connect_error = True
         return out
-    except httpx.HTTPError as e:
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         out.error = f"{type(e).__name__}: {e}"
         return out
     out.generated_text = "".join(text_parts)
@@ -423,10 +453,13 @@ class Target:
 
 
 def _client(max_concurrency: int | None) -> Any:
-    import httpx
+    """One aiohttp session for the run (vLLM's client: a 6-hour total timeout, a connection pool of
+    the concurrency, keep-alive)."""
+    import aiohttp
 
-    limits = httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency)
-    return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(6 * 3600.0, connect=10.0, pool=None))
+    connector = aiohttp.TCPConnector(limit=max_concurrency or 0, limit_per_host=max_concurrency or 0,
+                                     keepalive_timeout=60)
+    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=6 * 3600, connect=10.0))
 
 
 def _unreachable(base_url: str, err: str) -> ServerUnreachable:
@@ -436,27 +469,28 @@ def _unreachable(base_url: str, err: str) -> ServerUnreachable:
 
 async def resolve_model(base_url: str, headers: dict[str, str], timeout_s: float = 0.0) -> str:
     """The first model id of ``GET /v1/models`` (used when --model is not given)."""
-    import httpx
+    import aiohttp
 
     deadline = time.monotonic() + timeout_s
     url = base_url.rstrip("/") + "/v1/models"
     async with _client(1) as client:
         while True:
             try:
-                r = await client.get(url, headers=headers)
+                async with client.get(url, headers=headers) as r:
+                    status, body = r.status, await r.read()
                 break
-            except httpx.ConnectError as e:
+            except aiohttp.ClientConnectorError as e:
                 if time.monotonic() >= deadline:
                     raise _unreachable(base_url, str(e) or type(e).__name__) from None
                 await asyncio.sleep(1.0)
-            except httpx.HTTPError as e:
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 raise _unreachable(base_url, f"{type(e).__name__}: {e}") from None
     try:
-        data = r.json()["data"]
+        data = json.loads(body)["data"]
         return str(data[0]["id"])
     except Exception:  # noqa: BLE001
         raise RuntimeError(f"--model is not given and GET {url} returned no model list "
-                           f"(HTTP {r.status_code}); pass --model NAME") from None
+                           f"(HTTP {status}); pass --model NAME") from None
 
 
 async def ready_check(target: Target, req: SampleRequest, timeout_s: float) -> None:
