@@ -10,14 +10,14 @@
 #   gdn      gdn_bench.py: GDN prefill / conv / decode kernels (27B heads) vs fla-core (WHEELS)
 #   quant    quant_bench.py: the W4A16 NVFP4 GEMM vs the bf16 GEMM (cuBLAS) on the 27B MLP shapes
 #   hybrid   hybrid_bench.py: Qwen3.6-27B-shaped prefill + decode, bf16 vs fp8 KV, transformers generate
-#   serve    serve_bench.py: kvserve serve + kvserve bench serve, c1/16/64/256, bf16 vs fp8 KV
+#   serve    serve_bench.py --offline: kvserve serve + kvserve bench serve, c1/16/64/256, bf16 vs fp8 KV, the offline engine on each point's workload
 #   cpu      cpu_bench.py on the host CPU (default model if built, else SmolLM2-shaped random weights)
 #   profile  e2e_bench.py --profile: where a Qwen3-0.6B decode step's time goes, bf16 and fp8
 #   parity   parity_bench.py: the golden set's greedy / teacher-forced parity of every read (fp32, the fp8 reads)
 #            (the default model, or PARITY_ARGS="--gguf part1,part2" to build it from a carried GGUF)
 #
 # Seconds each family may take (a device call allows 600 s: two families fit one call):
-#   KERNELS_S=150 E2E_S=330 GDN_S=150 HYBRID_S=330 QUANT_S=240 SERVE_S=240 CPU_S=300 PROFILE_S=120 PARITY_S=480
+#   KERNELS_S=150 E2E_S=330 GDN_S=150 HYBRID_S=330 QUANT_S=240 SERVE_S=420 CPU_S=300 PROFILE_S=120 PARITY_S=480
 # More flags for one family's script: KERNELS_ARGS E2E_ARGS GDN_ARGS HYBRID_ARGS QUANT_ARGS SERVE_ARGS CPU_ARGS PROFILE_ARGS PARITY_ARGS.
 # OUT: the output folder (default a new /tmp/kvserve-bench.* folder). KVSERVE_COMMIT: the commit
 # each JSON records (set it on the device machine: its copy of the tree has no or a stale .git).
@@ -54,7 +54,7 @@ if [ -n "${WHEELS:-}" ]; then
   export PYTHONPATH=/tmp/kvserve-site:$PYTHONPATH
 fi
 KERNELS_S=${KERNELS_S:-150} E2E_S=${E2E_S:-330} GDN_S=${GDN_S:-150} HYBRID_S=${HYBRID_S:-330} QUANT_S=${QUANT_S:-240}
-SERVE_S=${SERVE_S:-240} CPU_S=${CPU_S:-300} PROFILE_S=${PROFILE_S:-120} PARITY_S=${PARITY_S:-480}
+SERVE_S=${SERVE_S:-420} CPU_S=${CPU_S:-300} PROFILE_S=${PROFILE_S:-120} PARITY_S=${PARITY_S:-480}
 
 default_model_built() {
   python3 -c "from kvserve.loader import default_model as d; import sys; \
@@ -73,7 +73,7 @@ family_command() {
     hybrid)  echo python3 benchmarks/hybrid_bench.py --out "$OUT/hybrid.json" ${HYBRID_ARGS:-} ;;
     quant)   echo python3 benchmarks/quant_bench.py --out "$OUT/quant.json" --time-budget-s $((QUANT_S - 60)) \
                ${QUANT_ARGS:-} ;;
-    serve)   echo python3 benchmarks/serve_bench.py --out "$OUT/serve.json" ${SERVE_ARGS:-} ;;
+    serve)   echo python3 benchmarks/serve_bench.py --offline --out "$OUT/serve.json" ${SERVE_ARGS:-} ;;
     cpu)     if default_model_built; then model=(); else model=(--model benchmarks/configs/smollm2-135m); fi
              echo env CUDA_VISIBLE_DEVICES= python3 benchmarks/cpu_bench.py "${model[@]}" --out "$OUT/cpu.json" \
                ${CPU_ARGS:-} ;;

@@ -17,6 +17,10 @@ Per point: ``num_prompts = max(--min-prompts, --prompts-per-concurrency x concur
 most ``concurrency`` in flight, all sent at time 0; ``--num-warmups`` untimed requests first.
 Checked: no request failed and every one streamed ``--output-len`` tokens (``all_ok``). After each
 point the server's ``/metrics`` gauges are read (running requests and KV usage must be back to 0).
+``--offline`` runs the offline engine (``kvserve bench throughput``) on each point's workload after
+that dtype's server stopped (issue 17's ratios: serve / offline output tok/s, the server's TPOT p50
+/ the offline decode step); ``--client-floor`` drives an engine-free source paced at the point's TPOT
+p50 with the same client (what the client itself reports for a perfectly steady stream).
 
     bash benchmarks/gpu.sh serve                                    # H200: $OUT/serve.json, ~4 min
     python3 benchmarks/serve_bench.py --out serve.json              # H200 by hand (the same run)
@@ -262,6 +266,37 @@ def client_floor(point: dict, a: argparse.Namespace, concurrency: int, work: Pat
     return floor
 
 
+def offline_point(a: argparse.Namespace, engine_args: list[str], kv: str, concurrency: int, work: Path,
+                  env: dict[str, str]) -> dict:
+    """The offline engine (``kvserve bench throughput``) on a point's workload: the same number of
+    requests, prompt and output lengths (random prompt ids), greedy, ignore_eos, ``max_num_seqs`` = the
+    concurrency; run after that dtype's server stopped, so the two never share the GPU."""
+    n = max(a.min_prompts, a.prompts_per_concurrency * concurrency)
+    result = work / f"offline_{kv}_{concurrency}.json"
+    cmd = [*CLI, "bench", "throughput", *engine_args, "--kv-cache-dtype", kv, "--concurrency", str(concurrency),
+           "--dataset", "random", "--input-len", str(a.input_len), "--output-len", str(a.output_len),
+           "--num-prompts", str(n), "--temperature", "0", "--skip-tokenizer-init", "--json", str(result)]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=a.point_timeout_s)
+    if r.returncode != 0:
+        raise RuntimeError(f"kvserve bench throughput exited with {r.returncode}:\n{(r.stdout + r.stderr)[-3000:]}")
+    p = json.loads(result.read_text())["points"][0]
+    return {"command": " ".join(["python3", *cmd[1:]]), "num_prompts": n, **{k: p.get(k) for k in (
+        "num_requests", "output_tokens", "output_tok_s", "p50_tpot_ms", "p50_ttft_ms", "decode_step_ms_median",
+        "decode_roofline_ms", "elapsed_s")}}
+
+
+def compare_offline(point: dict, offline: dict) -> None:
+    """The server's point against the offline engine's: output tok/s and TPOT p50 ratios."""
+    point["offline"] = offline
+    point["serve_over_offline_tok_s"] = point["output_throughput"] / offline["output_tok_s"]
+    point["tpot_p50_over_offline_step"] = point["median_tpot_ms"] / offline["decode_step_ms_median"]
+    print(f"[serve] kv {point['kv_cache_dtype']} c={point['concurrency']} offline engine on the same workload: "
+          f"{offline['output_tok_s']:.0f} out tok/s, TPOT p50 "
+          f"{offline['p50_tpot_ms']:.2f} ms, decode step p50 {offline['decode_step_ms_median']:.2f} ms -> serve / "
+          f"offline {point['serve_over_offline_tok_s']:.3f}, server TPOT p50 / offline step "
+          f"{point['tpot_p50_over_offline_step']:.2f}", flush=True)
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -286,6 +321,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--client-floor", action="store_true",
                    help="after each point, the same requests against an engine-free source that streams one chunk "
                         "per request every (that point's TPOT p50): the client's own ITL floor at that event rate")
+    p.add_argument("--offline", action="store_true",
+                   help="after each server, the offline engine (kvserve bench throughput) on each point's requests; "
+                        "JSON: offline, serve_over_offline_tok_s, tpot_p50_over_offline_step")
+    p.add_argument("--offline-args", default="", help="more `kvserve bench throughput` flags for --offline, one string")
     p.add_argument("--paced-source", nargs=2, metavar=("PORT", "PERIOD_S"), default=None, help=argparse.SUPPRESS)
     p.add_argument("--smoke", action="store_true", help="CPU: a tiny config, 16 in / 8 out, concurrency 1,4")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/serve_<time>.json)")
@@ -321,8 +360,11 @@ def main(argv: list[str] | None = None) -> int:
                                 str(write_word_tokenizer(work / "word-tokenizer", config["vocab_size"])))
     serve_args = ["--model", str(model), "--tokenizer", tokenizer, "--load-format", load_format, "--dtype", a.dtype,
                   *shlex.split(a.serve_args)]
+    engine_args = ["--model", str(model), "--load-format", load_format, "--dtype", a.dtype, *shlex.split(a.offline_args)]
     if a.smoke:
-        serve_args += ["--device", "cpu", "--kv-cache-memory", str(1 << 24), "--max-model-len", "256"]
+        smoke_engine = ["--device", "cpu", "--kv-cache-memory", str(1 << 24), "--max-model-len", "256"]
+        serve_args += smoke_engine
+        engine_args += smoke_engine
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(common.REPO), os.environ.get("PYTHONPATH")])),
            "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
     out = Path(a.out) if a.out else common.default_out("serve")
@@ -334,7 +376,8 @@ def main(argv: list[str] | None = None) -> int:
                      "serve_args": serve_args, "endpoint": a.endpoint, "dataset": "random, token-id prompts",
                      "input_len": a.input_len, "output_len": a.output_len, "ignore_eos": True,
                      "concurrency": a.concurrency, "prompts_per_concurrency": a.prompts_per_concurrency,
-                     "min_prompts": a.min_prompts, "num_warmups": a.num_warmups},
+                     "min_prompts": a.min_prompts, "num_warmups": a.num_warmups,
+                     "offline_engine_args": engine_args if a.offline else None},
         "servers": {},
         "points": [],
     }
@@ -367,6 +410,14 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             server.stop()
             info["server_returncode"] = server.proc.returncode
+        if a.offline:
+            for point in [p for p in doc["points"] if p["kv_cache_dtype"] == kv]:
+                try:
+                    compare_offline(point, offline_point(a, engine_args, kv, point["concurrency"], work, env))
+                except Exception as e:  # noqa: BLE001 - the server's figures stand; the run fails
+                    failed = True
+                    point["offline_error"] = f"{type(e).__name__}: {e}"[-4000:]
+                    print(f"[serve]   offline kv {kv} c={point['concurrency']}: {point['offline_error']}", flush=True)
         common.write_json(out, doc)
     doc["failed"] = failed
     common.write_json(out, doc)
@@ -374,7 +425,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {out}")
     by_kv: dict[str, list[str]] = {}
     for p in doc["points"]:
-        by_kv.setdefault(p["kv_cache_dtype"], []).append(f"c{p['concurrency']} {p['output_throughput']:.0f}")
+        ratio = f" ({p['serve_over_offline_tok_s']:.2f}x offline)" if "serve_over_offline_tok_s" in p else ""
+        by_kv.setdefault(p["kv_cache_dtype"], []).append(f"c{p['concurrency']} {p['output_throughput']:.0f}{ratio}")
     common.print_summary("; ".join(f"{kv} out tok/s {', '.join(v)}" for kv, v in by_kv.items())
                          + f"; {'FAILED' if failed else 'all requests ok'}")
     return 1 if failed else 0

@@ -186,7 +186,7 @@ def test_hybrid_smoke_measures_prefill_and_decode_for_both_kv_dtypes(tmp_path):
 
 
 def test_serve_smoke_serves_a_config_only_model_and_stops_cleanly(tmp_path):
-    doc, _ = run_smoke("serve_bench", tmp_path)
+    doc, _ = run_smoke("serve_bench", tmp_path, "--offline")
     assert doc["failed"] is False
     points = {(p["kv_cache_dtype"], p["concurrency"]): p for p in doc["points"]}
     assert set(points) == {("auto", 1), ("auto", 4), ("fp8", 1), ("fp8", 4)}
@@ -195,6 +195,13 @@ def test_serve_smoke_serves_a_config_only_model_and_stops_cleanly(tmp_path):
         assert p["total_output_tokens"] == p["num_prompts"] * 8 and p["output_throughput"] > 0
         assert p["gauges_after"]["vllm:num_requests_running"] == 0  # nothing left held after the point
         assert p["gauges_after"]["vllm:kv_cache_usage_perc"] == 0
+        # --offline: the offline engine ran the point's workload (every output token, as ignore_eos asks)
+        off = p["offline"]
+        assert off["num_requests"] == p["num_prompts"] and off["output_tokens"] == p["num_prompts"] * 8
+        assert off["output_tok_s"] > 0 and off["decode_step_ms_median"] > 0
+        assert p["serve_over_offline_tok_s"] == pytest.approx(p["output_throughput"] / off["output_tok_s"])
+        assert p["tpot_p50_over_offline_step"] == pytest.approx(p["median_tpot_ms"] / off["decode_step_ms_median"])
+        assert "--kv-cache-dtype " + p["kv_cache_dtype"] in off["command"] and "--concurrency " in off["command"]
     assert doc["settings"]["load_format"] == "dummy"
     for server in doc["servers"].values():
         assert server["ready_s"] > 0 and server["server_returncode"] == 0  # graceful shutdown on SIGINT
