@@ -22,6 +22,7 @@ from kvserve.bench import add_parser, run  # noqa: E402
 from kvserve.bench.datasets import TOKEN_ID_HIGH, TOKEN_ID_LOW, random_requests  # noqa: E402
 from kvserve.bench.serve import (  # noqa: E402
     RequestResult,
+    _SSEMessages,
     ServerUnreachable,
     arrival_times,
     calculate_metrics,
@@ -268,6 +269,24 @@ def test_request_rate_pacing(stub_url: str) -> None:
     STATE.reset()
     _, r, _ = _bench(stub_url, "--input-len", "4", "--output-len", "2", "--num-prompts", "10")
     assert r["duration"] < 0.45 and r["request_rate"] == "inf"
+
+
+def test_sse_messages_split_across_reads() -> None:
+    """Events reach the client in reads that cut them anywhere: each event comes out once, whole,
+    when its blank line has arrived (LF or CRLF), several per read if a read holds several; an
+    unterminated tail waits for the next read."""
+    stream = (b'data: {"a": 1}\n\n' b'data: {"b": 2}\r\n\r\n' b": comment\n\n" b"data: [DONE]\n\n")
+    whole = ['data: {"a": 1}', 'data: {"b": 2}', ": comment", "data: [DONE]"]
+    for cut in range(1, len(stream)):
+        for size in (cut, 1):  # two reads at every cut, and one byte a read
+            sse, got = _SSEMessages(), []
+            pieces = [stream[:cut], stream[cut:]] if size == cut else [stream[i:i + 1] for i in range(len(stream))]
+            for piece in pieces:
+                got += sse.feed(piece)
+            assert got == whole, (cut, size)
+    sse = _SSEMessages()
+    assert sse.feed(b'data: {"a": 1}\n\ndata: {"b"') == ['data: {"a": 1}']  # the tail is held back
+    assert sse.feed(b": 2}\n\n") == ['data: {"b": 2}']
 
 
 def test_arrival_times_seeded_poisson() -> None:

@@ -207,7 +207,8 @@ def _error_text(obj: Any) -> str:
 
 class _SSEMessages:
     """Splits a byte stream into server-sent-event messages (blank-line separated) across reads, as
-    vLLM's client does: one network read may hold several events or part of one."""
+    vLLM's client does: one network read may hold several events or part of one; an event the stream
+    leaves unterminated is not dispatched (the SSE rule)."""
 
     def __init__(self) -> None:
         self._buf = b""
@@ -216,10 +217,6 @@ class _SSEMessages:
         self._buf += chunk
         *messages, self._buf = self._buf.replace(b"\r\n", b"\n").split(b"\n\n")
         return [m.decode("utf-8") for m in messages if m.strip()]
-
-    def rest(self) -> list[str]:
-        tail, self._buf = self._buf, b""
-        return [tail.decode("utf-8")] if tail.strip() else []
 
 
 async def send_request(client: Any, url: str, headers: dict[str, str], payload: dict[str, Any],
