@@ -445,7 +445,7 @@ def test_attention_decode_only(case, num_splits):
     _check_attention(b, num_splits=num_splits, order=_order(seq_lens))
 
 
-# (Hq, Hk, D, block size, query dtype, cache): the paired decode of fp8 pages across G 1 / 3 / 4 / 6,
+# (Hq, Hk, D, block size, query dtype, cache): both decodes of fp8 pages across G 1 / 3 / 4 / 6,
 # heads 64 / 96 (padded to 128) / 128 / 256, e4m3 and e5m2, bf16 and fp16 queries
 PAIRED_CASES = [
     (8, 2, 128, 16, "bf16", "fp8_e4m3"),
@@ -457,15 +457,17 @@ PAIRED_CASES = [
 
 @pytest.mark.parametrize("num_splits", [None, 3])
 @pytest.mark.parametrize("case", PAIRED_CASES, ids=_case_id)
-def test_paired_decode_matches_the_reference(case, num_splits):
-    """fp8 pages' decode with the pages read in 16-bit words (``paired``), the dequantizing read:
-    the reference's rows, batch order and longest first, split or not."""
+def test_paired_and_unpaired_decode_match_the_reference(case, num_splits):
+    """fp8 pages' decode with the pages read in 16-bit words (``paired``, the default) and a byte at
+    a time (``paired=False``), the dequantizing read: the reference's rows, batch order and longest
+    first, split or not."""
     hq, hk, d, bs, qd, cache = case
     gen = _gen("paired", case, num_splits)
     seq_lens = [33, 1, 97, 64, 300]
     b = _make_batch([1] * len(seq_lens), seq_lens, hq, hk, d, bs, FLOAT[qd], cache, gen)
-    _check_attention(b, num_splits=num_splits, paired=True)
-    _check_attention(b, num_splits=num_splits, order=_order(seq_lens), paired=True)
+    for paired in (True, False):
+        _check_attention(b, num_splits=num_splits, paired=paired)
+        _check_attention(b, num_splits=num_splits, order=_order(seq_lens), paired=paired)
 
 
 def _order(seq_lens: list[int]) -> torch.Tensor:

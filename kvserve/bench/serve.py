@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -31,7 +32,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Callable
+from typing import Any, AsyncIterator, Callable
 
 from kvserve.bench.datasets import DATASETS, SampleRequest
 
@@ -219,6 +220,22 @@ class _SSEMessages:
         return [m.decode("utf-8") for m in messages if m.strip()]
 
 
+async def _sse_data(resp: Any) -> AsyncIterator[tuple[float, str]]:
+    """(arrival time, payload) of each ``data:`` line of a streamed response; the events of one
+    network read share its time."""
+    sse = _SSEMessages()
+    async for data_bytes in resp.content.iter_any():
+        messages = sse.feed(data_bytes)
+        if not messages:
+            continue
+        now = time.perf_counter()
+        for message in messages:
+            for line in message.split("\n"):
+                line = line.strip()
+                if line.startswith("data:"):  # not SSE comments or event names
+                    yield now, line[5:].strip()
+
+
 async def send_request(client: Any, url: str, headers: dict[str, str], payload: dict[str, Any],
                        req: SampleRequest, chat: bool) -> RequestResult:
     """Stream one request (aiohttp, as vLLM's client); parse ``data:`` events until ``[DONE]``; time
@@ -232,7 +249,6 @@ async def send_request(client: Any, url: str, headers: dict[str, str], payload: 
     chunks = 0
     usage_tokens = None
     text_parts: list[str] = []
-    sse = _SSEMessages()
     try:
         async with client.post(url, json=payload, headers=headers) as resp:
             if resp.status != 200:
@@ -243,54 +259,39 @@ async def send_request(client: Any, url: str, headers: dict[str, str], payload: 
                     detail = body.strip()
                 out.error = f"HTTP {resp.status}: {detail[:300]}"
                 return out
-            done = False
-            async for data_bytes in resp.content.iter_any():
-                messages = sse.feed(data_bytes)
-                if not messages:
-                    continue
-                now = time.perf_counter()
-                for message in messages:
-                    for line in message.split("\n"):
-                        line = line.strip()
-                        if not line.startswith("data:"):
-                            continue  # SSE comments, event names
-                        data = line[5:].strip()
-                        if data == "[DONE]":
-                            done = True
-                            break
-                        try:
-                            obj = json.loads(data)
-                        except json.JSONDecodeError:
-                            out.error = f"bad stream chunk: {data[:200]!r}"
-                            return out
-                        if not isinstance(obj, dict):
-                            continue
-                        if "error" in obj and not obj.get("choices"):
-                            out.error = f"stream error: {_error_text(obj)[:300]}"
-                            return out
-                        usage = obj.get("usage")
-                        if isinstance(usage, dict):
-                            if usage.get("completion_tokens") is not None:
-                                usage_tokens = int(usage["completion_tokens"])
-                            if not req.exact_prompt_len and usage.get("prompt_tokens"):
-                                out.prompt_len = int(usage["prompt_tokens"])
-                        choices = obj.get("choices") or []
-                        if not choices:
-                            continue
-                        text = _chunk_text(choices[0], chat)
-                        if not text:
-                            continue  # role-only / finish-only chunks carry no token
-                        if chunks == 0:
-                            out.ttft = now - st
-                        else:
-                            out.itl.append(now - last)
-                        last = now
-                        chunks += 1
-                        text_parts.append(text)
-                    if done:
+            async with contextlib.aclosing(_sse_data(resp)) as events:
+                async for now, data in events:
+                    if data == "[DONE]":
                         break
-                if done:
-                    break
+                    try:
+                        obj = json.loads(data)
+                    except json.JSONDecodeError:
+                        out.error = f"bad stream chunk: {data[:200]!r}"
+                        return out
+                    if not isinstance(obj, dict):
+                        continue
+                    if "error" in obj and not obj.get("choices"):
+                        out.error = f"stream error: {_error_text(obj)[:300]}"
+                        return out
+                    usage = obj.get("usage")
+                    if isinstance(usage, dict):
+                        if usage.get("completion_tokens") is not None:
+                            usage_tokens = int(usage["completion_tokens"])
+                        if not req.exact_prompt_len and usage.get("prompt_tokens"):
+                            out.prompt_len = int(usage["prompt_tokens"])
+                    choices = obj.get("choices") or []
+                    if not choices:
+                        continue
+                    text = _chunk_text(choices[0], chat)
+                    if not text:
+                        continue  # role-only / finish-only chunks carry no token
+                    if chunks == 0:
+                        out.ttft = now - st
+                    else:
+                        out.itl.append(now - last)
+                    last = now
+                    chunks += 1
+                    text_parts.append(text)
     except aiohttp.ClientConnectorError as e:
         out.error = f"cannot connect: {e or type(e).__name__}"
         out.connect_error = True

@@ -55,8 +55,8 @@ FP16_MMA_BELOW_ROWS = 64
 # an even and an odd head column of one token, and both products run on the even and the odd
 # columns apart. The words reach an fp16 MMA's registers by ldmatrix and convert with one byte
 # permute and two paired conversions per two words, where e4m3 tiles were gathered into that layout
-# from shared memory a byte at a time (sm_90 SASS, Triton 3.9, 128-key tile: 539 instructions a warp
-# against 899, 22 shared loads against 184). On an H100 (2026-12-07, clean L2) it is 1-5% faster than
+# from shared memory a byte at a time (sm_90 SASS, Triton 3.9, 128-key tile: 544 instructions a warp
+# against 899, 21 shared loads against 184). On an H100 (2026-12-07, clean L2) it is 1-5% faster than
 # the unpaired decode at every batch 32-256 x context 1k-16k point, both reads (benchmarks/RESULTS.md).
 PAIRED_DECODE = True
 
