@@ -217,10 +217,15 @@ def process_cpu(server: Server) -> dict[str, float]:
     return cpu
 
 
+def num_prompts(a: argparse.Namespace, concurrency: int) -> int:
+    """Requests of a point: ``max(--min-prompts, --prompts-per-concurrency x concurrency)``."""
+    return max(a.min_prompts, a.prompts_per_concurrency * concurrency)
+
+
 def bench_point(server: Server, a: argparse.Namespace, concurrency: int, work: Path, env: dict[str, str]) -> dict:
     """One ``kvserve bench serve`` run at ``concurrency``; its result file as a dict, with the CPU time
     the API server process, the engine core and the client spent on it (Linux /proc)."""
-    n = max(a.min_prompts, a.prompts_per_concurrency * concurrency)
+    n = num_prompts(a, concurrency)
     result = work / f"point_{concurrency}.json"
     cmd = [*CLI, "bench", "serve", "--base-url", server.url, "--endpoint", a.endpoint, "--dataset", "random",
            "--input-len", str(a.input_len), "--output-len", str(a.output_len), "--num-prompts", str(n),
@@ -271,7 +276,7 @@ def offline_point(a: argparse.Namespace, engine_args: list[str], kv: str, concur
     """The offline engine (``kvserve bench throughput``) on a point's workload: the same number of
     requests, prompt and output lengths (random prompt ids), greedy, ignore_eos, ``max_num_seqs`` = the
     concurrency; run after that dtype's server stopped, so the two never share the GPU."""
-    n = max(a.min_prompts, a.prompts_per_concurrency * concurrency)
+    n = num_prompts(a, concurrency)
     result = work / f"offline_{kv}_{concurrency}.json"
     cmd = [*CLI, "bench", "throughput", *engine_args, "--kv-cache-dtype", kv, "--concurrency", str(concurrency),
            "--dataset", "random", "--input-len", str(a.input_len), "--output-len", str(a.output_len),
