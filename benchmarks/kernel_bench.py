@@ -404,13 +404,14 @@ class Run:
         return r.CacheQuant(torch.float8_e4m3fn, 448.0, self.args.k_scale, self.args.v_scale, self.dev,
                             query_fp8=query_fp8, p_shift=8)
 
-    DECODE_ONLY = ("fp8_paired", "fp8q_paired")  # decode variants: a prefill reads them as fp8 / fp8q
+    DECODE_ONLY = ("fp8_unpaired", "fp8q_unpaired")  # decode variants: a prefill reads them as fp8 / fp8q
 
     def pv_kw(self, name: str) -> dict:
         """The kernel's keyword for a variant read: fp8q_pv8 (P @ V as an fp8 MMA, where the kernel
-        can); fp8_paired / fp8q_paired (the paired decode: the pages read in 16-bit words)."""
-        return {"fp8q_pv8": {"pv_fp8": True}, "fp8_paired": {"paired": True},
-                "fp8q_paired": {"paired": True}}.get(name, {})
+        can); fp8_unpaired / fp8q_unpaired (the decode by ``_attention_kernel``, the pages read in bytes,
+        beside the default paired one)."""
+        return {"fp8q_pv8": {"pv_fp8": True}, "fp8_unpaired": {"paired": False},
+                "fp8q_unpaired": {"paired": False}}.get(name, {})
 
     def expect(self, q, pool, bt, qlens, slens, scale, quant, num_splits=1):
         """The check's ground truth: the reference read, or the quantized-query twin with the
@@ -511,9 +512,9 @@ class Run:
                  ("fp8q", self.pool["fp8"], self.quant(query_fp8=True))]
         if self.args.fp8q_pv8:  # the same read with P @ V as an fp8 MMA (JSON only)
             kinds.append(("fp8q_pv8", self.pool["fp8"], self.quant(query_fp8=True)))
-        if self.args.fp8_paired:  # both fp8 reads' decode by the paired kernel (decode, ragged)
-            kinds += [("fp8_paired", self.pool["fp8"], self.quant()),
-                      ("fp8q_paired", self.pool["fp8"], self.quant(query_fp8=True))]
+        if self.args.fp8_unpaired:  # both fp8 reads' decode by the unpaired kernel (decode, ragged)
+            kinds += [("fp8_unpaired", self.pool["fp8"], self.quant()),
+                      ("fp8q_unpaired", self.pool["fp8"], self.quant(query_fp8=True))]
         return tuple(kinds)
 
     # ---- b. store
@@ -1429,9 +1430,9 @@ def parse_args(argv=None):
                         "its Triton kernel as a decode peer (default $VLLM_TRITON_SRC; off when unset)")
     p.add_argument("--fp8q-pv8", action="store_true",
                    help="also the quantized-query read with P @ V as an fp8 MMA in prefill tiles (JSON: fp8q_pv8)")
-    p.add_argument("--fp8-paired", action="store_true",
-                   help="also both fp8 reads' decode by the paired kernel, the pages read in 16-bit words "
-                        "(paired=True; JSON: fp8_paired, fp8q_paired)")
+    p.add_argument("--fp8-unpaired", action="store_true",
+                   help="also both fp8 reads' decode by the unpaired kernel, the pages read in bytes, beside "
+                        "the default paired one (paired=False; JSON: fp8_unpaired, fp8q_unpaired)")
     p.add_argument("--no-bigpool", dest="bigpool", action="store_false", help="--smoke: skip the >2^31-element pool check")
     p.add_argument("--batches", type=ints, default=None)
     p.add_argument("--contexts", type=ints, default=None)
