@@ -172,7 +172,16 @@ def test_stream_raw_sse_format(server):
     assert events[-1] == "" and events[-2] == "data: [DONE]"
     for ev in events[:-2]:
         assert ev.startswith("data: ")
-        json.loads(ev[len("data: "):])
+        data = ev[len("data: "):]
+        # compact JSON, as vLLM's chunks (pydantic's model_dump_json): no space after ':' or ','
+        assert data == json.dumps(json.loads(data), separators=(",", ":"), ensure_ascii=False)
+
+
+def test_sse_event_is_compact_utf8_json():
+    from kvserve.entrypoints.openai.serving import sse_event
+
+    body = {"text": "caf\u00e9 \u2014 \U0001f600", "logprobs": None, "index": 0, "lp": -0.125}
+    assert sse_event(body) == 'data: {"text":"caf\u00e9 \u2014 \U0001f600","logprobs":null,"index":0,"lp":-0.125}\n\n'.encode()
 
 
 def test_chat_basic_and_stream(server, client):

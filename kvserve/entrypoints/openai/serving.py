@@ -9,6 +9,8 @@ import re
 from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable
 
+import msgspec
+
 from kvserve.engine.async_llm import AsyncLLM, EngineDeadError
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
 from kvserve.engine.sampling import SamplingParams
@@ -56,6 +58,23 @@ def bad_request(e: Exception, rename: dict[str, str] | None = None) -> OpenAIErr
 
 def _clamp(lp: float) -> float:
     return max(lp, -9999.0)  # JSON has no -inf (vLLM's clamp)
+
+
+_JSON = msgspec.json.Encoder()
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def sse_event(body: Any) -> bytes:
+    """One server-sent event of ``body`` as compact UTF-8 JSON, as vLLM's chunks are (pydantic's
+    ``model_dump_json``: no spaces, non-ASCII as is); a sixth of ``json.dumps``'s CPU per chunk."""
+    return b"data: " + _JSON.encode(body) + b"\n\n"
+
+
+def _error_event(e: Exception) -> bytes:
+    """A stream's error event: a RuntimeError (the engine failed the request) is a 500, else a 400."""
+    internal = isinstance(e, RuntimeError)
+    return sse_event(OpenAIError(str(e), 500 if internal else 400,
+                                 "InternalServerError" if internal else "BadRequestError").body())
 
 
 class ClientDisconnected(OpenAIError):
@@ -291,7 +310,7 @@ class OpenAIServing:
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
     async def create_completion(self, req: CompletionRequest,
-                                is_disconnected: Callable[[], Awaitable[bool]]) -> dict[str, Any] | AsyncIterator[str]:
+                                is_disconnected: Callable[[], Awaitable[bool]]) -> dict[str, Any] | AsyncIterator[bytes]:
         self.check_model(req.model)
         self.check_common(req)
         params = self.sampling_params(req, req.max_tokens, req.logprobs)
@@ -331,7 +350,7 @@ class OpenAIServing:
 
     async def _completion_stream(self, req: CompletionRequest, rid: str, created: int,
                                  prompts: list[list[int]], ids: list[str], iters: list[AsyncIterator[RequestOutput]],
-                                 n: int) -> AsyncIterator[str]:
+                                 n: int) -> AsyncIterator[bytes]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         offsets = [[0] * n for _ in prompts]
         completion_tokens = 0
@@ -353,15 +372,14 @@ class OpenAIServing:
                     chunk = dict(base, choices=[choice])
                     if include_usage:
                         chunk["usage"] = None
-                    yield f"data: {json.dumps(chunk)}\n\n"
+                    yield sse_event(chunk)
             if include_usage:
-                yield "data: " + json.dumps(dict(base, choices=[], usage=self.usage(
-                    sum(len(p) for p in prompts), completion_tokens))) + "\n\n"
+                yield sse_event(dict(base, choices=[], usage=self.usage(sum(len(p) for p in prompts), completion_tokens)))
         except (ValueError, RuntimeError) as e:
-            yield f"data: {json.dumps(OpenAIError(str(e), 500 if isinstance(e, RuntimeError) else 400, 'InternalServerError' if isinstance(e, RuntimeError) else 'BadRequestError').body())}\n\n"
+            yield _error_event(e)
         finally:
             await self.close(ids, iters)
-        yield "data: [DONE]\n\n"
+        yield SSE_DONE
 
     # ---- chat ----------------------------------------------------------------------------------
     @staticmethod
@@ -418,7 +436,7 @@ class OpenAIServing:
         return {"content": content}
 
     async def create_chat_completion(self, req: ChatCompletionRequest,
-                                     is_disconnected: Callable[[], Awaitable[bool]]) -> dict[str, Any] | AsyncIterator[str]:
+                                     is_disconnected: Callable[[], Awaitable[bool]]) -> dict[str, Any] | AsyncIterator[bytes]:
         self.check_model(req.model)
         self.check_common(req)
         max_tokens, mt_param = req.max_tokens, "max_tokens"
@@ -465,16 +483,16 @@ class OpenAIServing:
         return out
 
     async def _chat_stream(self, req: ChatCompletionRequest, rid: str, created: int, prompt: list[int], ids: list[str],
-                           iters: list[AsyncIterator[RequestOutput]], n: int, top: int) -> AsyncIterator[str]:
+                           iters: list[AsyncIterator[RequestOutput]], n: int, top: int) -> AsyncIterator[bytes]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
         completion_tokens = 0
 
-        def chunk(choice: dict[str, Any]) -> str:
+        def chunk(choice: dict[str, Any]) -> bytes:
             body = dict(base, choices=[choice])
             if include_usage:
                 body["usage"] = None
-            return f"data: {json.dumps(body)}\n\n"
+            return sse_event(body)
 
         try:
             for j in range(n):
@@ -494,9 +512,9 @@ class OpenAIServing:
                         choice["token_ids"] = c.token_ids
                     yield chunk(choice)
             if include_usage:
-                yield "data: " + json.dumps(dict(base, choices=[], usage=self.usage(len(prompt), completion_tokens))) + "\n\n"
+                yield sse_event(dict(base, choices=[], usage=self.usage(len(prompt), completion_tokens)))
         except (ValueError, RuntimeError) as e:
-            yield f"data: {json.dumps(OpenAIError(str(e), 500 if isinstance(e, RuntimeError) else 400, 'InternalServerError' if isinstance(e, RuntimeError) else 'BadRequestError').body())}\n\n"
+            yield _error_event(e)
         finally:
             await self.close(ids, iters)
-        yield "data: [DONE]\n\n"
+        yield SSE_DONE
