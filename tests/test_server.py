@@ -775,6 +775,25 @@ def test_serve_subprocess(make_tiny_model, tmp_path):
     assert not os.path.exists(f"/proc/{core_pid}") or "Z" in open(f"/proc/{core_pid}/stat").read().split(")")[-1][:3]
 
 
+@pytest.mark.parametrize("disable", [False, True])
+def test_uvicorn_access_log_and_its_flag(make_tiny_model, disable):
+    """uvicorn's access log is on (vLLM's default); --disable-uvicorn-access-log turns it off."""
+    import signal
+
+    folder = str(make_tiny_model("llama"))
+    port = _free_port()
+    extra = ("--uvicorn-log-level", "info") + (("--disable-uvicorn-access-log",) if disable else ())
+    proc = _serve_process(folder, port, extra=extra)
+    try:
+        body = {"model": folder, "prompt": "hi", "max_tokens": 2}
+        assert httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=30).status_code == 200
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out = proc.communicate(timeout=20)[0].decode()
+    assert "Uvicorn running" in out or "Application startup complete" in out  # the info log is there
+    assert ('"POST /v1/completions HTTP/1.1" 200' in out) is not disable
+
+
 def test_serve_fails_fast_and_exits_when_its_engine_core_dies(make_tiny_model):
     """vLLM's behaviour: the core process killed mid-request -> the request gets an error instead of
     hanging, /health answers 503 within 5 s, the server exits (code 1) and leaves no process."""

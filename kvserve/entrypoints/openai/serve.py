@@ -35,6 +35,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="default sampling params: 'auto' (the model's generation_config.json), a folder, or 'vllm' (none)")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
+    g.add_argument("--disable-uvicorn-access-log", action="store_true",
+                   help="Disable uvicorn access log.")
     g.add_argument("--api-server-count", "-asc", type=int, default=1,
                    help="How many API server processes to run.")
     add_engine_args(p)
@@ -83,7 +85,12 @@ def _serve(args: argparse.Namespace, async_llm: Any, sock: Any = None) -> int:
     defaults = generation_config_defaults(str(async_llm.engine.config.model_config.model), args.generation_config)
     app = build_app(async_llm, name, api_key, defaults)
     logger.info("Serving model %s on http://%s:%d", name, args.host, args.port)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level))
+    # vLLM's uvicorn settings: the access log unless --disable-uvicorn-access-log, keep-alive
+    # VLLM_HTTP_TIMEOUT_KEEP_ALIVE seconds (5)
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+        access_log=not args.disable_uvicorn_access_log,
+        timeout_keep_alive=int(os.environ.get("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "5"))))
     died = threading.Event()
 
     def watchdog() -> None:  # vLLM's: a dead engine stops the server (VLLM_WATCHDOG_TIME_S)
