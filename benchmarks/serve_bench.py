@@ -286,12 +286,13 @@ def offline_point(a: argparse.Namespace, engine_args: list[str], kv: str, concur
         raise RuntimeError(f"kvserve bench throughput exited with {r.returncode}:\n{(r.stdout + r.stderr)[-3000:]}")
     p = json.loads(result.read_text())["points"][0]
     return {"command": " ".join(["python3", *cmd[1:]]), "num_prompts": n, **{k: p.get(k) for k in (
-        "num_requests", "output_tokens", "output_tok_s", "p50_tpot_ms", "p50_ttft_ms", "decode_step_ms_median",
-        "decode_roofline_ms", "elapsed_s")}}
+        "num_requests", "output_tokens", "output_tok_s", "p50_tpot_ms", "p50_ttft_ms", "p50_itl_ms", "p99_itl_ms",
+        "decode_step_ms_median", "decode_roofline_ms", "elapsed_s")}}
 
 
 def compare_offline(point: dict, offline: dict) -> None:
-    """The server's point against the offline engine's: output tok/s and TPOT p50 ratios."""
+    """The server's point against the offline engine's: output tok/s and TPOT p50 ratios, and both
+    ITL p99 / p50 (the offline one is the engine's own: its steps as each request saw them)."""
     point["offline"] = offline
     point["serve_over_offline_tok_s"] = point["output_throughput"] / offline["output_tok_s"]
     point["tpot_p50_over_offline_step"] = point["median_tpot_ms"] / offline["decode_step_ms_median"]
@@ -299,7 +300,9 @@ def compare_offline(point: dict, offline: dict) -> None:
           f"{offline['output_tok_s']:.0f} out tok/s, TPOT p50 "
           f"{offline['p50_tpot_ms']:.2f} ms, decode step p50 {offline['decode_step_ms_median']:.2f} ms -> serve / "
           f"offline {point['serve_over_offline_tok_s']:.3f}, server TPOT p50 / offline step "
-          f"{point['tpot_p50_over_offline_step']:.2f}", flush=True)
+          f"{point['tpot_p50_over_offline_step']:.2f}; ITL p99 / p50 server {point['p99_itl_ms']:.2f} / "
+          f"{point['median_itl_ms']:.2f} ms, offline {offline['p99_itl_ms']:.2f} / {offline['p50_itl_ms']:.2f} ms",
+          flush=True)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

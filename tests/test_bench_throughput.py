@@ -97,9 +97,12 @@ def test_cli_grid_on_tiny_model(tiny, tmp_path, one_thread, capsys):
         assert p["requests_per_s"] == pytest.approx(6 / p["elapsed_s"])
         assert p["output_tok_s"] == pytest.approx(p["output_tokens"] / p["elapsed_s"])
         assert 0 < p["output_tok_s"] < p["total_tok_s"]
-        for m in ("ttft", "tpot"):
+        for m in ("ttft", "tpot", "itl"):
             assert 0 < p[f"p50_{m}_ms"] <= p[f"p90_{m}_ms"] <= p[f"p99_{m}_ms"]
             assert p[f"mean_{m}_ms"] > 0
+        # every request has the same output length, so the mean gap between a request's tokens is
+        # the mean of the requests' TPOTs
+        assert p["mean_itl_ms"] == pytest.approx(p["mean_tpot_ms"], rel=1e-9)
         # the first token cannot come after the end of the run
         assert p["p99_ttft_ms"] <= p["elapsed_s"] * 1e3 + 1e-6
         # decode-only steps: the largest batch is the concurrency (6 requests, 2 or 4 at a time)

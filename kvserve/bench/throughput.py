@@ -361,6 +361,7 @@ def run_requests(engine: Any, requests: list[BenchRequest], *, temperature: floa
     first = [0.0] * n
     last = [0.0] * n
     ntok = [0] * n
+    itl: list[float] = []  # gaps between a request's consecutive tokens (as the server's ITL)
     finished = [False] * n
     decode_steps: list[tuple[int, float, int]] = []  # (batch, seconds, context tokens)
     num_steps = 0
@@ -390,6 +391,8 @@ def run_requests(engine: Any, requests: list[BenchRequest], *, temperature: floa
                     continue
                 if not ntok[i]:
                     first[i] = te
+                else:
+                    itl.append(te - last[i])
                 last[i] = te
                 ntok[i] += 1
             if obs.decode:
@@ -427,7 +430,7 @@ def run_requests(engine: Any, requests: list[BenchRequest], *, temperature: floa
         "temperature": temperature,
         "top_p": top_p,
     }
-    for name, vals in (("ttft", ttft), ("tpot", tpot)):
+    for name, vals in (("ttft", ttft), ("tpot", tpot), ("itl", itl)):
         for k, v in _percentiles(vals).items():
             res[f"{k}_{name}_ms"] = v
     res.update(decode_stats(decode_steps, copy_bandwidth, weight_bytes, kv_token_bytes))
