@@ -28,7 +28,7 @@ def _routing(tokens: int, experts: int, k: int, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("tokens,experts,k,block_m", [(1, 8, 2, 16), (37, 8, 2, 16), (300, 16, 4, 64), (5, 64, 8, 16)])
 def test_moe_align_groups_every_row_once(tokens, experts, k, block_m):
-    from kvserve.layers.quant_experts import moe_align
+    from kvserve.layers.moe import moe_align
 
     top = _routing(tokens, experts, k, tokens + experts)
     ids, block_expert = moe_align(top, experts, block_m)
@@ -80,7 +80,7 @@ def test_grouped_w4a16_matmul_against_float64(dtype, tokens, block_m):
     """Each listed row r: x[r // k] @ W_e^T with e its expert, into a poisoned output (all rows listed:
     none left NaN); K = 160 (not a multiple of 64), N = 48 (not of the 64-row tile)."""
     from kvserve.kernels.triton_w4a16 import pack_w4a16, w4a16_grouped_matmul
-    from kvserve.layers.quant_experts import moe_align
+    from kvserve.layers.moe import moe_align
 
     e, n, kdim, k = 6, 48, 160, 2
     packed, block, rows, exact, gen = _experts(e, n, kdim, tokens)

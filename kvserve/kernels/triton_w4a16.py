@@ -36,7 +36,7 @@ weights) and multiply with torch's GEMM; at those sizes the GEMM takes far longe
 bf16 copy once.
 
 **Routed experts** (``w4a16_grouped_matmul``): the same chunk loop over blocks of rows that share an
-expert (``layers/quant_experts.moe_align``), one program per (block, output tile), token rows
+expert (``layers/moe.moe_align``), one program per (block, output tile), token rows
 gathered; no stream-K.
 
 The inline PTX runs on CUDA only; the Triton interpreter and fp32 activations take ``_decode_twin``,
@@ -621,7 +621,7 @@ def w4a16_grouped_matmul(x: torch.Tensor, weight: W4A16Weight, ids: torch.Tensor
                          block_m: int, rows_per_x: int, out: torch.Tensor) -> torch.Tensor:
     """Routed experts: ``out[r] = x[r // rows_per_x] @ W_e^T`` for every row r listed in ``ids``
     (int32, blocks of ``block_m`` rows of one expert each, -1 padding; ``block_expert`` int32 the
-    expert of each block, ``E`` for an empty one; ``moe_align`` in ``layers/quant_experts.py`` makes
+    expert of each block, ``E`` for an empty one; ``moe_align`` in ``layers/moe.py`` makes
     both on the device). ``weight`` stacks E experts; ``out`` [rows, N] in x's dtype; rows not
     listed are left as they are. One launch, no host sync: graph-capturable."""
     k, n = weight.in_features, weight.out_features

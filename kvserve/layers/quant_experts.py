@@ -14,45 +14,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from kvserve.layers.moe import routed_swiglu
 from kvserve.layers.quant_linear import frozen_param, keep_packed
 from kvserve.quant.modelopt import ModelOptConfig
 from kvserve.quant.nvfp4 import NVFP4_GROUP_SIZE as GROUP
 
 if TYPE_CHECKING:
     from kvserve.kernels.triton_w4a16 import W4A16Weight
-
-
-def expert_block_rows(rows: int, num_experts: int) -> int:
-    """Rows a block of the grouped GEMMs takes for ``rows`` (token, expert) rows over ``num_experts``:
-    16 while most experts get a few rows (decode), 64 for prefill chunks."""
-    return 16 if rows <= 16 * num_experts else 64
-
-
-def moe_align(top_idx: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows ``t * k + j`` (token t's j-th expert) grouped by expert into blocks of ``block_m``: ids
-    int32 [P] (-1 where a block is padding; an expert's rows ascending) and the expert of each block,
-    int32 [P / block_m] (``num_experts`` for blocks past the last). P is the bound
-    ``T k + E (block_m - 1)`` rounded up to ``block_m``, known without reading the counts, so nothing
-    waits on the host (vLLM's ``moe_align_block_size`` sizes its buffers the same way)."""
-    flat = top_idx.reshape(-1)
-    rows = flat.numel()
-    total = -(-(rows + num_experts * (block_m - 1)) // block_m) * block_m
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
-        0, flat.long(), torch.ones_like(flat, dtype=torch.int64))  # (torch.bincount reads its max on the host)
-    padded = (counts + block_m - 1) // block_m * block_m
-    pad_end = torch.cumsum(padded, 0)
-    start = torch.cumsum(counts, 0) - counts
-    order = torch.argsort(flat, stable=True)
-    expert = flat[order]
-    pos = (pad_end - padded)[expert] + torch.arange(rows, device=flat.device) - start[expert]
-    ids = torch.full((total,), -1, dtype=torch.int32, device=flat.device)
-    ids[pos] = order.to(torch.int32)
-    blocks = torch.arange(0, total, block_m, device=flat.device)
-    block_expert = torch.searchsorted(pad_end, blocks, right=True).to(torch.int32)
-    return ids, block_expert
 
 
 class NVFP4Experts(nn.Module):
@@ -91,16 +61,8 @@ class NVFP4Experts(nn.Module):
         from kvserve.kernels.triton_w4a16 import w4a16_grouped_matmul
 
         assert self.finalized, "NVFP4Experts.finalize() runs after loading"
-        t, k = top_idx.shape
-        block_m = expert_block_rows(t * k, self.num_experts)
-        ids, block_expert = moe_align(top_idx, self.num_experts, block_m)
-        h = torch.empty((t * k, 2 * self.intermediate), dtype=x.dtype, device=x.device)
-        w4a16_grouped_matmul(x, self.packed["gate_up_proj"], ids, block_expert, block_m, k, h)
-        gate, up = h.chunk(2, dim=-1)
-        a = F.silu(gate) * up
-        d = torch.empty((t * k, self.hidden), dtype=x.dtype, device=x.device)
-        w4a16_grouped_matmul(a, self.packed["down_proj"], ids, block_expert, block_m, 1, d)
-        return (d.view(t, k, self.hidden) * top_w[..., None]).sum(dim=1)
+        return routed_swiglu(x, top_idx, top_w, self.num_experts, self.intermediate, self.hidden,
+                             lambda a, name, *rows: w4a16_grouped_matmul(a, self.packed[name], *rows))
 
     def init_dummy(self, gen: torch.Generator) -> None:
         """``--load-format dummy``: random codes, block scales in [0.5, 1), weights within ~1e-3

@@ -24,6 +24,7 @@ from kvserve.layers.attention import Attention, AttentionMetadata, head_geometry
 from kvserve.layers.decoder import DecoderStack, PreNormDecoderLayer
 from kvserve.layers.gdn import GatedDeltaNet
 from kvserve.layers.mlp import SwiGLUMLP
+from kvserve.layers.moe import routed_swiglu
 from kvserve.layers.norm import ZeroCenteredRMSNorm
 from kvserve.layers.rotary import RotaryEmbedding, rope_parameters
 from kvserve.loader.weights import WeightLoader, WeightLoadError
@@ -171,7 +172,10 @@ class GatedAttentionBlock(nn.Module):
 
 class Experts(nn.Module):
     """Routed SwiGLU experts as 3-D tensors (transformers' layout): ``gate_up_proj`` [E, 2I, hidden]
-    (gate rows first), ``down_proj`` [E, hidden, I]. Per-expert checkpoint tensors are copied in."""
+    (gate rows first), ``down_proj`` [E, hidden, I]. Per-expert checkpoint tensors are copied in.
+    ``fused`` (set by the runner for bf16 / fp16 on the triton backend): both GEMMs as grouped GEMMs
+    over rows aligned to their experts on the device (``kernels/triton_moe``, no host sync); else
+    the torch loop over experts below, the reference."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
@@ -179,8 +183,14 @@ class Experts(nn.Module):
         self.intermediate = intermediate_size
         self.gate_up_proj = nn.Parameter(torch.zeros(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.zeros(num_experts, hidden_size, intermediate_size))
+        self.fused = False
 
     def forward(self, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            from kvserve.kernels.triton_moe import grouped_matmul
+
+            return routed_swiglu(x, top_idx, top_w, self.num_experts, self.intermediate, x.shape[-1],
+                                 lambda a, name, *rows: grouped_matmul(a, getattr(self, name), *rows))
         out = torch.zeros_like(x)
         # token rows per expert, experts in ascending order (transformers' summation order)
         flat = top_idx.flatten()

@@ -1,0 +1,79 @@
+"""The grouped GEMM of dense routed experts on CUDA (issue 18; vLLM's ``fused_moe`` Triton kernel is
+the design studied): one launch computes every expert's rows, taking the row blocks that
+``layers/moe.moe_align`` laid out on the device (each block's rows belong to one expert; -1 rows are
+padding; blocks past the last get expert ``E``), so no step reads expert counts on the host and the
+whole layer can be captured in a CUDA graph. The 4-bit twin is ``triton_w4a16.w4a16_grouped_matmul``
+(same row layout); the torch twin is ``models/qwen3_next.Experts``' loop over experts."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _grouped_matmul_kernel(
+    x_ptr, w_ptr, y_ptr, ids_ptr, expert_ptr,
+    N, K, num_experts, stride_xm, stride_we, stride_wn, stride_ym,
+    ROW_DIV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """Program (n, b): block b of BLOCK_M routed rows of expert ``expert[b]`` (>= num_experts: empty),
+    columns [n * BLOCK_N, ...): y[row] = x[row // ROW_DIV] @ W_e^T, fp32 accumulation, y's dtype
+    (float32 operands: IEEE products, not TF32)."""
+    b = tl.program_id(1)
+    e = tl.load(expert_ptr + b)
+    if e < num_experts:
+        ids = tl.load(ids_ptr + b * BLOCK_M + tl.arange(0, BLOCK_M))
+        m_ok = ids >= 0
+        x_rows = tl.where(m_ok, ids // ROW_DIV, 0).to(tl.int64)
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = rn < N
+        rk = tl.arange(0, BLOCK_K)
+        x_tile = x_ptr + x_rows[:, None] * stride_xm + rk[None, :]  # [BLOCK_M, BLOCK_K]
+        w_tile = w_ptr + e.to(tl.int64) * stride_we + rn.to(tl.int64)[None, :] * stride_wn + rk[:, None]  # [K, N]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = k0 + rk < K
+            xv = tl.load(x_tile + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            wv = tl.load(w_tile + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if IEEE:
+                acc = tl.dot(xv, wv, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(xv, wv, acc)
+        y = y_ptr + tl.where(m_ok, ids, 0).to(tl.int64)[:, None] * stride_ym + rn[None, :]
+        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, block_expert: torch.Tensor,
+                   block_m: int, rows_per_x: int, out: torch.Tensor) -> torch.Tensor:
+    """Routed experts: ``out[r] = x[r // rows_per_x] @ weight[e]^T`` for every row r listed in ``ids``
+    (int32, blocks of ``block_m`` rows of one expert each, -1 padding; ``block_expert`` the expert of
+    each block, E for an empty one). ``weight`` [E, N, K] in x's dtype; ``out`` [rows, N] in x's dtype;
+    rows not listed are left as they are. One launch, no host sync: graph-capturable."""
+    num_experts, n, k = weight.shape
+    if x.dim() != 2 or x.shape[1] != k or weight.dtype != x.dtype:
+        raise ValueError(f"grouped_matmul: x {tuple(x.shape)} {x.dtype} and experts {tuple(weight.shape)} "
+                         f"{weight.dtype} do not match")
+    if ids.dtype != torch.int32 or block_expert.dtype != torch.int32 or ids.numel() != block_expert.numel() * block_m:
+        raise ValueError(f"grouped_matmul: ids {tuple(ids.shape)} {ids.dtype} and block_expert "
+                         f"{tuple(block_expert.shape)} {block_expert.dtype}: int32, {block_m} ids a block")
+    if out.dim() != 2 or out.shape[1] != n or out.dtype != x.dtype or out.stride(-1) != 1:
+        raise ValueError(f"grouped_matmul: out {tuple(out.shape)} {out.dtype}, expected [rows, {n}] {x.dtype}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if weight.stride(-1) != 1:
+        weight = weight.contiguous()
+    if block_expert.numel() == 0:
+        return out
+    block_n = 128 if n >= 128 and block_m <= 32 else 64
+    block_k = 64 if x.dtype != torch.float32 else 32
+    grid = (triton.cdiv(n, block_n), block_expert.numel())
+    _grouped_matmul_kernel[grid](
+        x, weight, out, ids, block_expert, n, k, num_experts,
+        x.stride(0), weight.stride(0), weight.stride(1), out.stride(0),
+        ROW_DIV=rows_per_x, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32,
+        num_warps=4 if block_m <= 32 else 8, num_stages=3,
+    )
+    return out
