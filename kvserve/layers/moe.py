@@ -53,8 +53,13 @@ def routed_swiglu(x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor, n
     ids, block_expert = moe_align(top_idx, num_experts, block_m)
     h = torch.empty((t * k, 2 * intermediate), dtype=x.dtype, device=x.device)
     matmul(x, "gate_up_proj", ids, block_expert, block_m, k, h)
-    gate, up = h.chunk(2, dim=-1)
-    a = F.silu(gate) * up
+    if h.dtype in (torch.bfloat16, torch.float16):  # one kernel, torch's rounding (kernels/triton_layers)
+        from kvserve.kernels.triton_layers import silu_and_mul
+
+        a = silu_and_mul(h)
+    else:
+        gate, up = h.chunk(2, dim=-1)
+        a = F.silu(gate) * up
     d = torch.empty((t * k, hidden), dtype=x.dtype, device=x.device)
     matmul(a, "down_proj", ids, block_expert, block_m, 1, d)
     return (d.view(t, k, hidden) * top_w[..., None]).sum(dim=1)
