@@ -213,13 +213,15 @@ def test_padded_graph_replays_write_only_their_rows_and_the_scratch_row(make_tin
 
 
 def test_moe_layers_keep_decode_eager(make_tiny_model, kvlog):
-    """Routed experts read their token counts on the host, which a graph cannot capture: with
-    graphs requested a model with MoE layers runs eagerly (logged; enforce_eager set, no scratch
-    row); Qwen3-Next with dense MLPs in every layer is captured."""
-    for arch, kw, captured in (("qwen3_5_moe", {}, False), ("qwen3_next", {}, False),
-                               ("qwen3_next", {"mlp_only_layers": [0, 1, 2, 3]}, True)):
+    """Routed experts in the torch loop read their token counts on the host, which a graph cannot
+    capture: with graphs requested a float32 model with MoE layers runs eagerly (logged; enforce_eager
+    set, no scratch row); Qwen3-Next with dense MLPs in every layer is captured, and so are MoE
+    layers in bf16 on the triton backend, whose experts are fused (aligned on the device)."""
+    for arch, kw, dtype, captured in (("qwen3_5_moe", {}, "float32", False), ("qwen3_next", {}, "float32", False),
+                                      ("qwen3_next", {"mlp_only_layers": [0, 1, 2, 3]}, "float32", True),
+                                      ("qwen3_5_moe", {}, "bfloat16", True)):
         kvlog.clear()
-        engine = build_engine(make_tiny_model(arch, **kw), "emulated", device="cpu", dtype="float32",
+        engine = build_engine(make_tiny_model(arch, **kw), "emulated", device="cpu", dtype=dtype,
                               attention_backend="triton")
         runner = engine.runner
         assert runner.model.supports_cuda_graphs is captured

@@ -302,9 +302,6 @@ class Qwen3NextForCausalLM(CausalLM):
         if not grouped:  # Qwen3.5 / 3.6 keep the GDN input projections apart: packed as vLLM packs them
             self.stacked_params = {**self.stacked_params, **QWEN3_5_GDN_SHARDS}
         self.model = HybridModel(cfg, grouped, ffn)
-        # routed experts read their per-expert token counts on the host (Experts.forward): not capturable
-        # (NVFP4Experts would be; the runner keeps MoE models eager until issue 18's fused MoE)
-        self.supports_cuda_graphs = not any(isinstance(layer.mlp, SparseMoeBlock) for layer in self.model.layers)
         # transformers ties an image-text model by its top-level config. Given only the text config of
         # such a checkpoint, kvserve keeps lm_head and ties iff the checkpoint has no lm_head.weight
         # (transformers drops tied weights when saving).
@@ -313,6 +310,12 @@ class Qwen3NextForCausalLM(CausalLM):
         self.tie_word_embeddings = not wrapper and bool(getattr(hf_config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @property
+    def supports_cuda_graphs(self) -> bool:
+        """Routed experts in the torch loop (``Experts`` not ``fused``) read their per-expert token
+        counts on the host, which a graph cannot capture; fused and NVFP4 experts align on the device."""
+        return not any(isinstance(m, Experts) and not m.fused for m in self.modules())
 
     def attention_layers(self) -> list[Attention]:
         """The paged-KV attention of the full-attention layers, in layer order."""

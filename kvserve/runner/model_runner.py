@@ -125,6 +125,13 @@ class ModelRunner:
         )
         # hybrid models: the GDN layers' recurrent state, one slot per running sequence, in its own pool
         self.gdn_layers = list(self.model.gdn_layers()) if getattr(self.model, "is_hybrid", False) else []
+        self.backend = config.runner_config.attention_backend
+        if self.backend == "triton" and mc.dtype in (torch.bfloat16, torch.float16):
+            # one Triton kernel each for the norms, rotary and SiLU-mul, grouped GEMMs for routed experts
+            # (float32 keeps torch's ops); before the graph decision: fused experts can be captured
+            for module in self.model.modules():
+                if hasattr(module, "fused"):
+                    module.fused = True
         capture = self._wants_graphs()
         # decode graphs of a hybrid model: one scratch state row for their padding rows (after the snapshots)
         num_scratch = 1 if capture and self.gdn_layers else 0
@@ -159,12 +166,6 @@ class ModelRunner:
                 budget -= self.num_snapshot_slots * per_seq
         cc.num_blocks = memory.plan_num_blocks(self.kv_spec, budget, mc.max_model_len, cc.num_gpu_blocks_override)
         memory.log_plan(self.kv_spec, cc.num_blocks, mc.max_model_len, self.device, self.kv_dtype.name)
-        self.backend = config.runner_config.attention_backend
-        if self.backend == "triton" and mc.dtype in (torch.bfloat16, torch.float16):
-            # one Triton kernel each for the norms, rotary and SiLU-mul (float32 keeps torch's ops)
-            for module in self.model.modules():
-                if hasattr(module, "fused"):
-                    module.fused = True
         self.block_table: BlockTable | None = None
         if self.backend == "triton":
             self.block_table = BlockTable(
