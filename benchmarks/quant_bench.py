@@ -275,7 +275,8 @@ def bench_moe(cfg: dict, tokens: list[int], doc: dict, save) -> None:
     the batch routes to (codes, block and row scales) over the copy bandwidth measured here."""
     from kvserve.bench.throughput import measure_copy_bandwidth
     from kvserve.kernels.triton_w4a16 import w4a16_grouped_matmul
-    from kvserve.layers.quant_experts import NVFP4Experts, expert_block_rows, moe_align
+    from kvserve.layers.moe import expert_block_rows, moe_align
+    from kvserve.layers.quant_experts import NVFP4Experts
     from kvserve.models.qwen3_next import Experts
 
     e, h, i, k = cfg["experts"], cfg["hidden"], cfg["intermediate"], cfg["top_k"]
