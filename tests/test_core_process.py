@@ -265,7 +265,9 @@ def test_one_core_serves_two_front_ends(tiny, one_thread):
     from kvserve.engine.core_client import start_core_process, stop_process
 
     prompts = {"a": [3, 4, 5, 6], "b": [7, 8], "c": list(range(10, 40)), "d": [9, 9, 9]}
-    lengths = {"a": 6, "b": 4, "c": 7, "d": 5}
+    # "a" runs ~100 steps, so it is still running when second's duplicate id arrives (at 6 it could
+    # finish in the few ms between the utility answer and that add, and the id was free again)
+    lengths = {"a": 100, "b": 4, "c": 7, "d": 5}
 
     def params(rid: str) -> SamplingParams:
         return _params(max_tokens=lengths[rid], ignore_eos=True)
