@@ -12,6 +12,17 @@ import triton
 import triton.language as tl
 
 
+def check_routed_rows(name: str, ids: torch.Tensor, block_expert: torch.Tensor, block_m: int, out: torch.Tensor,
+                      n: int, dtype: torch.dtype) -> None:
+    """The row layout and output every grouped GEMM over ``moe_align``'s blocks takes (dense and W4A16):
+    int32 ids, ``block_m`` of them a block, and ``out`` [rows, n] of ``dtype``, unit column stride."""
+    if ids.dtype != torch.int32 or block_expert.dtype != torch.int32 or ids.numel() != block_expert.numel() * block_m:
+        raise ValueError(f"{name}: ids {tuple(ids.shape)} {ids.dtype} and block_expert "
+                         f"{tuple(block_expert.shape)} {block_expert.dtype}: int32, {block_m} ids a block")
+    if out.dim() != 2 or out.shape[1] != n or out.dtype != dtype or out.stride(-1) != 1:
+        raise ValueError(f"{name}: out {tuple(out.shape)} {out.dtype}, expected [rows, {n}] {dtype}")
+
+
 @triton.jit
 def _grouped_matmul_kernel(
     x_ptr, w_ptr, y_ptr, ids_ptr, expert_ptr,
@@ -56,11 +67,7 @@ def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, blo
     if x.dim() != 2 or x.shape[1] != k or weight.dtype != x.dtype:
         raise ValueError(f"grouped_matmul: x {tuple(x.shape)} {x.dtype} and experts {tuple(weight.shape)} "
                          f"{weight.dtype} do not match")
-    if ids.dtype != torch.int32 or block_expert.dtype != torch.int32 or ids.numel() != block_expert.numel() * block_m:
-        raise ValueError(f"grouped_matmul: ids {tuple(ids.shape)} {ids.dtype} and block_expert "
-                         f"{tuple(block_expert.shape)} {block_expert.dtype}: int32, {block_m} ids a block")
-    if out.dim() != 2 or out.shape[1] != n or out.dtype != x.dtype or out.stride(-1) != 1:
-        raise ValueError(f"grouped_matmul: out {tuple(out.shape)} {out.dtype}, expected [rows, {n}] {x.dtype}")
+    check_routed_rows("grouped_matmul", ids, block_expert, block_m, out, n, x.dtype)
     if x.stride(-1) != 1:
         x = x.contiguous()
     if weight.stride(-1) != 1:

@@ -53,6 +53,7 @@ import triton
 import triton.language as tl
 
 from kvserve.kernels.triton_store import num_sms
+from kvserve.kernels.triton_moe import check_routed_rows
 from kvserve.logger import init_logger
 from kvserve.quant.nvfp4 import NVFP4_GROUP_SIZE, unpack_e2m1
 
@@ -629,11 +630,7 @@ def w4a16_grouped_matmul(x: torch.Tensor, weight: W4A16Weight, ids: torch.Tensor
     if weight.codes.dim() != 4 or x.shape[-1] != k or x.dim() != 2:
         raise ValueError(f"w4a16_grouped_matmul: x {tuple(x.shape)} and stacked experts {tuple(weight.codes.shape)} "
                          f"(in_features {k}) do not match")
-    if ids.dtype != torch.int32 or block_expert.dtype != torch.int32 or ids.numel() != block_expert.numel() * block_m:
-        raise ValueError(f"w4a16_grouped_matmul: ids {tuple(ids.shape)} {ids.dtype} and block_expert "
-                         f"{tuple(block_expert.shape)} {block_expert.dtype}: int32, {block_m} ids a block")
-    if out.dim() != 2 or out.shape[1] != n or out.dtype != x.dtype or out.stride(-1) != 1:
-        raise ValueError(f"w4a16_grouped_matmul: out {tuple(out.shape)} {out.dtype}, expected [rows, {n}] {x.dtype}")
+    check_routed_rows("w4a16_grouped_matmul", ids, block_expert, block_m, out, n, x.dtype)
     if x.stride(-1) != 1:
         x = x.contiguous()
     if block_expert.numel() == 0:
