@@ -52,8 +52,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.kernels.triton_store import num_sms
 from kvserve.kernels.triton_moe import check_routed_rows
+from kvserve.kernels.triton_store import num_sms
 from kvserve.logger import init_logger
 from kvserve.quant.nvfp4 import NVFP4_GROUP_SIZE, unpack_e2m1
 
