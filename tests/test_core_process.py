@@ -256,6 +256,117 @@ def test_async_llm_over_a_core_process_streams_then_reports_its_death(tiny):
         llm.shutdown()
 
 
+def _async_llm(tiny, multiprocess: bool):
+    from kvserve.engine.async_llm import AsyncLLM
+
+    return AsyncLLM.from_engine_args(EngineArgs(model=str(tiny), dtype="float32", max_num_seqs=4, max_model_len=128,
+                                                kv_cache_memory=1 << 22, device="cpu"), multiprocess=multiprocess)
+
+
+async def _stream_all(llm, prompts: dict, params: SamplingParams) -> dict:
+    """request id -> per choice (text, token ids, finish reason) gathered from the DELTA stream."""
+    import asyncio
+
+    async def one(rid: str, prompt) -> tuple:
+        got: dict = {}
+        async for out in llm.generate(prompt, params, rid):
+            for c in out.outputs:
+                text, ids, _ = got.get(c.index, ("", [], None))
+                got[c.index] = (text + c.text, ids + list(c.token_ids), c.finish_reason)
+        return rid, [got[i] for i in sorted(got)]
+
+    return dict(await asyncio.gather(*(one(r, p) for r, p in prompts.items())))
+
+
+def _wait_idle(llm, seconds: float = 10.0) -> None:
+    import asyncio
+
+    async def idle() -> None:  # the output handler runs on a loop: give it one while we wait
+        if not llm._thread.is_alive():
+            llm._ensure_output_handler()  # (a server's runs from its first request on)
+        t0 = time.monotonic()
+        while (llm.stats.num_running or llm.stats.num_free_blocks != llm.stats.num_total_blocks) \
+                and time.monotonic() - t0 < seconds:
+            await asyncio.sleep(0.02)
+
+    asyncio.run(idle())
+
+
+def test_async_llm_on_the_event_loop_streams_what_the_engine_thread_streams(tiny, one_thread, monkeypatch):
+    """The core in its own process: the front end's work on the caller's event loop (output handler
+    task, no engine thread) streams exactly what the in-process AsyncLLM streams: greedy text, ids and
+    finish reasons of concurrent requests with stop strings, outputs handled two per loop turn."""
+    import asyncio
+
+    from kvserve.engine import async_llm
+
+    prompts = {"a": "the quick brown fox", "b": {"prompt_token_ids": [3, 4, 5]}, "c": "hello", "d": "a b c d e"}
+    params = SamplingParams(temperature=0.0, max_tokens=12, stop=[" e", "a"])
+    local = _async_llm(tiny, multiprocess=False)
+    try:
+        want = asyncio.run(_stream_all(local, prompts, params))
+    finally:
+        local.shutdown()
+    monkeypatch.setattr(async_llm, "OUTPUT_PROC_CHUNK_SIZE", 2)
+    remote = _async_llm(tiny, multiprocess=True)
+    try:
+        assert not remote._thread.is_alive()  # no engine thread in this mode
+        assert asyncio.run(_stream_all(remote, prompts, params)) == want
+        assert asyncio.run(_stream_all(remote, prompts, params)) == want  # a second event loop
+        _wait_idle(remote)
+        assert remote.stats.num_running == 0 and remote.stats.num_free_blocks == remote.stats.num_total_blocks
+    finally:
+        remote.shutdown()
+
+
+def test_async_llm_on_the_event_loop_aborts_refuses_and_survives_a_failed_step(tiny, one_thread):
+    """Leaving a stream early aborts it across the boundary (its blocks come back); an invalid request
+    raises its ValueError at once; a step the core reports failed fails that request's stream with the
+    error while another request runs on to its end; abort from another thread reaches the loop."""
+    import asyncio
+    import threading
+
+    llm = _async_llm(tiny, multiprocess=True)
+    long = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+
+    async def scenario() -> None:
+        n = 0
+        async for _ in llm.generate("a b c", long, "early"):  # leave after 2 outputs
+            n += 1
+            if n == 2:
+                break
+        with pytest.raises(ValueError, match="out of vocabulary"):
+            await llm.add_request("bad", [3, 10**6], long)
+        with pytest.raises(ValueError, match="already exists"):
+            it = await llm.add_request("dup", [3, 4], long)
+            await llm.add_request("dup", [3, 4], long)
+        await it.aclose()
+        # past the front end's check (as a stale vocabulary would be): the core's step fails, with
+        # the requests of that step only; the next request runs to its end
+        llm.engine.vocab_size = 10**7
+        with pytest.raises(RuntimeError, match="^Engine step failed: index out of range"):
+            async for _ in llm.generate({"prompt_token_ids": [3, 10**6]}, long, "poison"):
+                pass
+        (ids,) = [c[1] for c in (await _stream_all(llm, {"good": [3, 4]}, long))["good"]]
+        assert len(ids) == 100
+        # abort from another thread: handed to the loop
+        it = await llm.add_request("threaded", [5, 6], long)
+        await it.__anext__()
+        threading.Thread(target=llm.abort, args=("threaded",)).start()
+        rest = [o async for o in it]
+        assert not rest or not rest[-1].finished
+
+    try:
+        asyncio.run(scenario())
+        _wait_idle(llm)
+        assert llm.stats.num_running == llm.stats.num_waiting == 0
+        assert llm.stats.num_free_blocks == llm.stats.num_total_blocks
+        assert llm.is_running
+    finally:
+        llm.shutdown()
+    assert not llm.is_running
+
+
 def test_one_core_serves_two_front_ends(tiny, one_thread):
     """``--api-server-count``'s core: each attached front end gets the outputs of exactly the requests it
     added, whole; an id one front end already runs is refused to the other without touching the

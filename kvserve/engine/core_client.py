@@ -170,7 +170,7 @@ class CoreClient:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.output_socket.poll(100):
-                out = self._decode(self.output_socket.recv())
+                out = self.decode(self.output_socket.recv())
                 assert out.ready is not None, "the core's first message is its ready message"
                 self.stats = out.stats
                 return out.ready
@@ -218,7 +218,12 @@ class CoreClient:
         return call_id
 
     # ---- outputs ---------------------------------------------------------------------------
-    def _decode(self, frame: bytes) -> msg.CoreOutputs:
+    def dead_error(self) -> EngineDeadError:
+        """The error for calls after the core is gone."""
+        return EngineDeadError(_dead_text(self.dead or "the engine core is gone"))
+
+    def decode(self, frame: bytes) -> msg.CoreOutputs:
+        """One message of the core (``ENGINE_CORE_DEAD``: raises ``EngineDeadError``)."""
         if frame == msg.ENGINE_CORE_DEAD:
             self.dead = self.dead or "the engine core reported a fatal error"
             raise EngineDeadError(_dead_text(self.dead))
@@ -231,7 +236,7 @@ class CoreClient:
         while True:
             wait_ms = 100 if deadline is None else max(0, min(100, int((deadline - time.monotonic()) * 1000)))
             if self.output_socket.poll(wait_ms):
-                out = self._decode(self.output_socket.recv())
+                out = self.decode(self.output_socket.recv())
                 if out.stats is not None:
                     self.stats = out.stats
                 return out

@@ -22,6 +22,7 @@ from kvserve.logger import init_logger
 
 if TYPE_CHECKING:
     from kvserve.engine.core_client import CoreAddress, CoreClient
+    from kvserve.engine.core_messages import CoreOutputs
     from kvserve.engine.kv_cache import KVCacheManager
     from kvserve.engine.scheduler import Scheduler
     from kvserve.runner.model_runner import ModelRunner
@@ -177,7 +178,9 @@ class Engine:
             if self.tokenizer is None:
                 raise ValueError(NO_TOKENIZER_TEXT_PROMPT)
             return ids, list(self.tokenizer(ids).input_ids)
-        if isinstance(ids, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        # every element an int (no bool, no float): the set of their types, built in C (a generator
+        # over a long prompt's ids cost ~0.5 ms of the event loop's time per request)
+        if isinstance(ids, (list, tuple)) and set(map(type, ids)) <= {int}:
             return text, list(ids)
         raise ValueError(
             f"Invalid prompt {prompt!r}: expected a string, a list of int token ids, or a dict with "
@@ -275,12 +278,19 @@ class Engine:
         out = client.get_output(_OUTPUT_POLL_S)
         if out is None:
             return []
+        outputs, error = self.process_core_outputs(out)
+        if error is not None:
+            self._deferred = outputs
+            raise RuntimeError(error)
+        return outputs
+
+    def process_core_outputs(self, out: "CoreOutputs") -> tuple[list[RequestOutput], str | None]:
+        """One message of a core in its own process: its ``RequestOutput``s, and the error of a step
+        the core reports failed (whose requests are dropped here; the outputs are the step's before)."""
         outputs = self._process(out.outputs)
         if out.error is not None:
             self.output_processor.drop(out.failed_request_ids)
-            self._deferred = outputs
-            raise RuntimeError(out.error)
-        return outputs
+        return outputs, out.error
 
     def _process(self, core_outputs: list[CoreOutput]) -> list[RequestOutput]:
         outputs, stopped = self.output_processor.process(core_outputs)

@@ -1,5 +1,5 @@
 """Prometheus metrics under vLLM's names, one ``CollectorRegistry`` per app (several servers can
-live in one process). Updated from the engine thread through ``AsyncLLM``'s observer hooks.
+live in one process). Updated where ``AsyncLLM`` processes outputs (its observer hooks).
 
 With several API server processes (``--api-server-count``, ``PROMETHEUS_MULTIPROC_DIR`` set by the
 launcher), the request counters and histograms live in that directory and any server's ``/metrics``
@@ -35,7 +35,7 @@ def _multiprocess_dir() -> str | None:
 
 class _EngineStats:
     """The engine's gauges and cumulative preemptions, read at scrape time from the snapshot of the
-    core's stats that the engine thread refreshes."""
+    core's stats that ``AsyncLLM`` refreshes."""
 
     def __init__(self, async_llm: "AsyncLLM", model_name: str) -> None:
         self.async_llm, self.model_name = async_llm, model_name
