@@ -26,6 +26,7 @@ from kvserve.layers.gdn import GatedDeltaNet
 from kvserve.layers.mlp import SwiGLUMLP
 from kvserve.layers.moe import routed_swiglu
 from kvserve.layers.norm import ZeroCenteredRMSNorm
+from kvserve.layers.quant_experts import NVFP4Experts
 from kvserve.layers.rotary import RotaryEmbedding, rope_parameters
 from kvserve.loader.weights import WeightLoader, WeightLoadError
 from kvserve.models.causal_lm import CausalLM
@@ -211,7 +212,9 @@ class Experts(nn.Module):
 
 class SparseMoeBlock(nn.Module):
     """Softmax (fp32) top-k router, optionally renormalised, routed experts + a shared expert
-    scaled by ``sigmoid(shared_expert_gate(x))``."""
+    scaled by ``sigmoid(shared_expert_gate(x))``. When the experts run on the device
+    (``experts_on_device``), the router and the gated add are Triton kernels too
+    (``kernels/triton_router``); else the torch ops below, the reference."""
 
     def __init__(self, cfg: Any, norm_topk_prob: bool):
         super().__init__()
@@ -222,9 +225,20 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert = SwiGLUMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
+    @property
+    def experts_on_device(self) -> bool:
+        """Whether the routed experts run the device path: fused grouped GEMMs or NVFP4 weights."""
+        return getattr(self.experts, "fused", False) is True or isinstance(self.experts, NVFP4Experts)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shared = self.shared_expert(x)
         logits = self.gate(x)
+        if self.experts_on_device:
+            from kvserve.kernels.triton_router import add_gated_shared, softmax_topk
+
+            top_w, top_idx = softmax_topk(logits, self.top_k, self.norm_topk_prob)
+            routed = self.experts(x, top_idx, top_w.to(logits.dtype))
+            return add_gated_shared(routed, shared, self.shared_expert_gate(x))
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         top_w, top_idx = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
