@@ -1,12 +1,20 @@
-"""Routed experts that keep ModelOpt NVFP4 weights (the MoE hybrids' experts on the triton backend):
-the grouped W4A16 GEMM (``kernels/triton_w4a16.w4a16_grouped_matmul``) over token rows aligned to
-their experts on the device, so no step reads expert counts on the host.
+"""Routed experts that keep ModelOpt quantized weights (the MoE hybrids' experts on the triton
+backend): NVFP4 through the grouped W4A16 GEMM (``kernels/triton_w4a16.w4a16_grouped_matmul``), FP8
+through the grouped FP8 GEMM (``kernels/triton_fp8_moe.fp8_grouped_matmul``, CUDA only), both over
+token rows aligned to their experts on the device, so no step reads expert counts on the host.
 
 ``NVFP4Experts`` loads the per-expert checkpoint tensors into stacked parameters in the dense
 ``Experts`` layout (gate rows first: ``gate_up_proj`` uint8 [E, 2I, H/2], ``down_proj`` [E, H,
 I/2], each with ``_scale`` float8_e4m3fn and ``_scale_2`` fp32 per row), then ``finalize``
 repacks them for the kernel as ``NVFP4Linear`` does. Its forward is the dense ``Experts``'
 arithmetic (SwiGLU, the routing weight, a sum over the top-k) with each GEMM on the 4-bit weights.
+
+``FP8Experts`` is vLLM's ModelOpt FP8 MoE (``ModelOptFp8MoEMethod``): fp8 ``gate_up_proj`` [E, 2I, H]
+and ``down_proj`` [E, H, I], while loading each shard's ``weight_scale`` (``_scale``) and static
+``input_scale`` (``_input_scale``) once per row, as the model's per-expert loader stacks them. ``finalize`` then does what vLLM's ``process_weights_after_loading`` does: one
+weight scale per expert and GEMM (an expert's gate and up shards requantized to the larger of their
+two scales, as ``FP8Linear`` requantizes fused shards) and one input scale per GEMM (the largest
+over the experts). The forward quantizes each GEMM's input with it and runs the FP8 GEMM.
 """
 
 from __future__ import annotations
@@ -17,8 +25,9 @@ import torch
 from torch import nn
 
 from kvserve.layers.moe import routed_swiglu
-from kvserve.layers.quant_linear import frozen_param, keep_packed
+from kvserve.layers.quant_linear import _reciprocal, frozen_param, keep_packed
 from kvserve.quant.modelopt import ModelOptConfig
+from kvserve.quant.nvfp4 import E4M3_MAX, quantize_fp8_static
 from kvserve.quant.nvfp4 import NVFP4_GROUP_SIZE as GROUP
 
 if TYPE_CHECKING:
@@ -76,6 +85,79 @@ class NVFP4Experts(nn.Module):
                 getattr(self, f"{name}_scale_2").fill_(1e-3 / 6)
 
 
+class FP8Experts(nn.Module):
+    """Routed SwiGLU experts on FP8 weights and activations, per-tensor scales (module docstring)."""
+
+    GEMMS = ("gate_up_proj", "down_proj")
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 device: torch.device | str | None = None):
+        super().__init__()
+        self.num_experts, self.hidden, self.intermediate = num_experts, hidden_size, intermediate_size
+        e, h, i = num_experts, hidden_size, intermediate_size
+        self.gate_up_proj = frozen_param(device, torch.float8_e4m3fn, e, 2 * i, h)
+        self.gate_up_proj_scale = frozen_param(device, torch.float32, e, 2 * i)  # per row while loading; [E] after
+        self.gate_up_proj_input_scale = frozen_param(device, torch.float32, e, 2 * i)  # per row while loading; () after
+        self.down_proj = frozen_param(device, torch.float8_e4m3fn, e, h, i)
+        self.down_proj_scale = frozen_param(device, torch.float32, e, h)
+        self.down_proj_input_scale = frozen_param(device, torch.float32, e, h)
+        self.finalized = False
+
+    def finalize(self) -> None:
+        """After loading: per expert one ``gate_up_proj`` weight scale, the larger of gate's and up's
+        (both shards requantized to it where they differ: ``fp16(w) * fp16(s)`` in fp16, then
+        ``fp8(clamp(x * (1 / s_max)))``, vLLM's ``process_fp8_weight_tensor_strategy_moe``), and per
+        GEMM one input scale, the largest over the experts (``process_fp8_input_tensor_strategy_moe``;
+        where an expert's gate and up scales differ, vLLM keeps the one loaded last: kvserve the larger)."""
+        i = self.intermediate
+        with torch.no_grad():
+            gate_s, up_s = self.gate_up_proj_scale[:, 0], self.gate_up_proj_scale[:, i]
+            s_max = torch.maximum(gate_s, up_s)
+            for e in (gate_s != up_s).nonzero().flatten().tolist():  # ModelOpt exports share one: none
+                inv = _reciprocal(s_max[e])
+                for rows, s in ((slice(0, i), gate_s[e]), (slice(i, 2 * i), up_s[e])):
+                    w = self.gate_up_proj[e, rows]
+                    w.copy_(quantize_fp8_static(w.to(torch.float16) * s.to(torch.float16), inv))
+            weight_scale = {"gate_up_proj": s_max, "down_proj": self.down_proj_scale[:, 0]}
+            for name in self.GEMMS:
+                s_in = getattr(self, f"{name}_input_scale").max().reshape(())
+                setattr(self, f"{name}_scale", nn.Parameter(weight_scale[name].contiguous(), requires_grad=False))
+                setattr(self, f"{name}_input_scale", nn.Parameter(s_in, requires_grad=False))
+                self.register_buffer(f"{name}_inv_input_scale", _reciprocal(s_in), persistent=False)
+        self.finalized = True
+
+    def forward(self, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor:
+        assert self.finalized, "FP8Experts.finalize() runs after loading"
+        return routed_swiglu(x, top_idx, top_w, self.num_experts, self.intermediate, self.hidden, self._matmul)
+
+    def _matmul(self, a: torch.Tensor, name: str, ids: torch.Tensor, block_expert: torch.Tensor, block_m: int,
+                rows_per_x: int, out: torch.Tensor) -> torch.Tensor:
+        """One GEMM of ``routed_swiglu``: ``a`` quantized with the GEMM's static input scale
+        (``fp8(clamp(float32(a) * (1 / s_in), +-448))``, one Triton launch on CUDA, as ``FP8Linear``),
+        then the grouped FP8 GEMM."""
+        from kvserve.kernels.triton_fp8_moe import fp8_grouped_matmul
+
+        inv = getattr(self, f"{name}_inv_input_scale")
+        if a.is_cuda:
+            from kvserve.kernels.triton_layers import fp8_static_quant
+
+            aq = fp8_static_quant(a.contiguous(), inv)
+        else:  # (tests: the interpreter) the torch twin, bit-equal
+            aq = quantize_fp8_static(a, inv)
+        return fp8_grouped_matmul(aq, getattr(self, name), getattr(self, f"{name}_scale"),
+                                  getattr(self, f"{name}_input_scale"), ids, block_expert, block_m, rows_per_x, out)
+
+    def init_dummy(self, gen: torch.Generator) -> None:
+        """``--load-format dummy``: random fp8 codes within +-448 at scale 1e-3 / 448 (weights within
+        ~1e-3, vLLM's dummy range), input scales 1 / 448 (activations up to 1); ``finalize`` follows."""
+        with torch.no_grad():
+            for name in self.GEMMS:
+                w = getattr(self, name)
+                w.copy_(((torch.rand(w.shape, generator=gen, device=gen.device) * 2 - 1) * E4M3_MAX).to(w.dtype))
+                getattr(self, f"{name}_scale").fill_(1e-3 / E4M3_MAX)
+                getattr(self, f"{name}_input_scale").fill_(1.0 / E4M3_MAX)
+
+
 def _expert_algo(qc: ModelOptConfig, prefix: str, e: int, kind: str) -> str | None:
     """A routed expert's algorithm: its own entry, else (MIXED_PRECISION) its experts module's."""
     q = qc.layer_quant(f"{prefix}.{e}.{kind}")
@@ -84,18 +166,24 @@ def _expert_algo(qc: ModelOptConfig, prefix: str, e: int, kind: str) -> str | No
     return None if q is None else q.algo
 
 
-def quantize_experts(model: nn.Module, qc: ModelOptConfig) -> set[str]:
+def quantize_experts(model: nn.Module, qc: ModelOptConfig, fp8: bool = False) -> set[str]:
     """Swap every routed-experts module whose experts are all NVFP4 / W4A16_NVFP4 in the checkpoint
-    for an ``NVFP4Experts``; returns the per-expert checkpoint module names that load as stored."""
+    for an ``NVFP4Experts`` and, with ``fp8`` (the device is in ``quant_linear.FP8_GEMM_DEVICES``),
+    all FP8 for an ``FP8Experts``; returns the per-expert checkpoint module names that load as stored."""
     kept: set[str] = set()
     for name, module in list(model.named_modules()):
         if type(module).__name__ != "Experts" or not hasattr(module, "gate_up_proj"):
             continue
         e, two_i, h = module.gate_up_proj.shape
         names = [(i, kind) for i in range(e) for kind in ("gate_proj", "up_proj", "down_proj")]
-        if not all(_expert_algo(qc, name, i, kind) in ("NVFP4", "W4A16_NVFP4") for i, kind in names):
+        algos = {_expert_algo(qc, name, i, kind) for i, kind in names}
+        if algos <= {"NVFP4", "W4A16_NVFP4"}:
+            cls: type[nn.Module] = NVFP4Experts
+        elif fp8 and algos == {"FP8"}:
+            cls = FP8Experts
+        else:
             continue
-        new = NVFP4Experts(e, h, two_i // 2, module.gate_up_proj.device)
+        new = cls(e, h, two_i // 2, module.gate_up_proj.device)
         parent, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, leaf, new)
         kept.update(f"{name}.{i}.{kind}" for i, kind in names)

@@ -26,7 +26,7 @@ from kvserve.layers.gdn import GatedDeltaNet
 from kvserve.layers.mlp import SwiGLUMLP
 from kvserve.layers.moe import routed_swiglu
 from kvserve.layers.norm import ZeroCenteredRMSNorm
-from kvserve.layers.quant_experts import NVFP4Experts
+from kvserve.layers.quant_experts import FP8Experts, NVFP4Experts
 from kvserve.layers.rotary import RotaryEmbedding, rope_parameters
 from kvserve.loader.weights import WeightLoader, WeightLoadError
 from kvserve.models.causal_lm import CausalLM
@@ -48,8 +48,10 @@ _RENAMES = (
     ("language_model.lm_head.", "lm_head."),
 )
 # a routed expert's weight, or (NVFP4 experts kept quantized: layers/quant_experts.py) its scales
-_EXPERT_RE = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale|weight_scale_2)$")
-_EXPERT_PART = {"weight": "", "weight_scale": "_scale", "weight_scale_2": "_scale_2"}
+_EXPERT_RE = re.compile(
+    r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale|weight_scale_2|input_scale)$")
+# per-expert checkpoint tensor -> the stacked parameter's suffix (input_scale: FP8 experts kept quantized)
+_EXPERT_PART = {"weight": "", "weight_scale": "_scale", "weight_scale_2": "_scale_2", "input_scale": "_input_scale"}
 
 
 def hf_to_kvserve_name(name: str) -> str | None:
@@ -227,8 +229,8 @@ class SparseMoeBlock(nn.Module):
 
     @property
     def experts_on_device(self) -> bool:
-        """Whether the routed experts run the device path: fused grouped GEMMs or NVFP4 weights."""
-        return getattr(self.experts, "fused", False) is True or isinstance(self.experts, NVFP4Experts)
+        """Whether the routed experts run the device path: fused grouped GEMMs, NVFP4 or FP8 weights."""
+        return getattr(self.experts, "fused", False) is True or isinstance(self.experts, (NVFP4Experts, FP8Experts))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shared = self.shared_expert(x)
