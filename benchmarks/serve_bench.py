@@ -88,6 +88,17 @@ def read_gauges(base_url: str) -> dict[str, float]:
     return out
 
 
+def read_iteration_tokens(base_url: str) -> tuple[float, float]:
+    """``vllm:iteration_tokens_total``'s count and sum (the engine steps that gave tokens, and their tokens)."""
+    count = total = 0.0
+    for line in http_get(base_url + "/metrics").splitlines():
+        if line.startswith("vllm:iteration_tokens_total_count"):
+            count += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("vllm:iteration_tokens_total_sum"):
+            total += float(line.rsplit(" ", 1)[1])
+    return count, total
+
+
 def run_paced_source(port: int, period_s: float) -> None:
     """An engine-free stand-in for ``kvserve serve``'s completions stream: each request gets its
     ``max_tokens`` chunks, one every ``period_s`` (a sleep after each send, so the source itself never
@@ -231,6 +242,7 @@ def bench_point(server: Server, a: argparse.Namespace, concurrency: int, work: P
            "--input-len", str(a.input_len), "--output-len", str(a.output_len), "--num-prompts", str(n),
            "--max-concurrency", str(concurrency), "--num-warmups", str(a.num_warmups), "--seed", "0",
            "--result-file", str(result), "--disable-tqdm"]
+    steps0 = read_iteration_tokens(server.url)
     cpu0, client0, t0 = process_cpu(server), resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=a.point_timeout_s)
     cpu1, client1, wall = process_cpu(server), resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter() - t0
@@ -251,6 +263,9 @@ def bench_point(server: Server, a: argparse.Namespace, concurrency: int, work: P
     point["num_prompts"] = n
     point["all_ok"] = point["failed"] == 0 and point["total_output_tokens"] == n * a.output_len
     point["gauges_after"] = read_gauges(server.url)
+    steps1 = read_iteration_tokens(server.url)  # the engine's steps over the run (warm-ups included)
+    point["engine_steps"] = steps1[0] - steps0[0]
+    point["tokens_per_engine_step"] = (steps1[1] - steps0[1]) / max(1.0, point["engine_steps"])
     return point
 
 
@@ -286,7 +301,7 @@ def offline_point(a: argparse.Namespace, engine_args: list[str], kv: str, concur
         raise RuntimeError(f"kvserve bench throughput exited with {r.returncode}:\n{(r.stdout + r.stderr)[-3000:]}")
     p = json.loads(result.read_text())["points"][0]
     return {"command": " ".join(["python3", *cmd[1:]]), "num_prompts": n, **{k: p.get(k) for k in (
-        "num_requests", "output_tokens", "output_tok_s", "p50_tpot_ms", "p50_ttft_ms", "p50_itl_ms", "p99_itl_ms",
+        "num_requests", "output_tokens", "output_tok_s", "num_steps", "p50_tpot_ms", "p50_ttft_ms", "p50_itl_ms", "p99_itl_ms",
         "decode_step_ms_median", "decode_roofline_ms", "elapsed_s")}}
 
 
@@ -296,9 +311,12 @@ def compare_offline(point: dict, offline: dict) -> None:
     point["offline"] = offline
     point["serve_over_offline_tok_s"] = point["output_throughput"] / offline["output_tok_s"]
     point["tpot_p50_over_offline_step"] = point["median_tpot_ms"] / offline["decode_step_ms_median"]
+    if offline.get("num_steps") and point.get("engine_steps"):
+        point["engine_steps_over_offline"] = point["engine_steps"] / offline["num_steps"]
     print(f"[serve] kv {point['kv_cache_dtype']} c={point['concurrency']} offline engine on the same workload: "
           f"{offline['output_tok_s']:.0f} out tok/s, TPOT p50 "
-          f"{offline['p50_tpot_ms']:.2f} ms, decode step p50 {offline['decode_step_ms_median']:.2f} ms -> serve / "
+          f"{offline['p50_tpot_ms']:.2f} ms, decode step p50 {offline['decode_step_ms_median']:.2f} ms, "
+          f"{offline.get('num_steps')} steps (server {point.get('engine_steps', 0):.0f}, warm-ups included) -> serve / "
           f"offline {point['serve_over_offline_tok_s']:.3f}, server TPOT p50 / offline step "
           f"{point['tpot_p50_over_offline_step']:.2f}; ITL p99 / p50 server {point['p99_itl_ms']:.2f} / "
           f"{point['median_itl_ms']:.2f} ms, offline {offline['p99_itl_ms']:.2f} / {offline['p50_itl_ms']:.2f} ms",

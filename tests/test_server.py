@@ -365,6 +365,10 @@ def test_metrics(server, client):
         assert after[h + "_count" + lbl] - before.get(h + "_count" + lbl, 0) == 1
     for h in ("vllm:time_per_output_token_seconds", "vllm:inter_token_latency_seconds"):
         assert after[h + "_count" + lbl] - before.get(h + "_count" + lbl, 0) == 6
+    # one request alone: 7 engine steps gave tokens, the first with the prompt's (vLLM's iteration stats)
+    it = "vllm:iteration_tokens_total"
+    assert after[it + "_count" + lbl] - before.get(it + "_count" + lbl, 0) == 7
+    assert after[it + "_sum" + lbl] - before.get(it + "_sum" + lbl, 0) == n_prompt + 7
     assert after["vllm:num_requests_running" + lbl] == 0
     assert after["vllm:num_requests_waiting" + lbl] == 0
     assert after["vllm:kv_cache_usage_perc" + lbl] == 0.0

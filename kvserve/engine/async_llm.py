@@ -51,6 +51,9 @@ class StatObserver(Protocol):
     def on_first_token(self, ttft_s: float, num_prompt_tokens: int) -> None: ...
     def on_token_interval(self, itl_s: float, num_tokens: int) -> None: ...
     def on_finished(self, finish_reason: str, e2e_s: float, num_generation_tokens: int) -> None: ...
+    def on_iteration(self, num_prompt_tokens: int, num_generation_tokens: int) -> None:
+        """Once per engine step that gave tokens: the prompts that got their first token in it, and
+        the tokens it generated (vLLM's iteration stats)."""
 
 
 class _OutputCollector:
@@ -137,6 +140,7 @@ class AsyncLLM:
         self._stopped = threading.Event()
         self._dead: BaseException | None = None
         self._handler: asyncio.Task | None = None  # on_loop: the output handler, on its loop
+        self._iteration_tokens = [0, 0]  # this step's (prompt, generated) tokens, for on_iteration
         self.stats = EngineStats()
         self._update_stats()
         self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
@@ -322,6 +326,7 @@ class AsyncLLM:
                 stream = self._take_output(o, now)
                 if stream is not None:
                     stream.collector.put_nowait(o)
+        self._notify_iteration()
         if error is not None:  # the core's text: "Engine step failed: ..."
             self._fail_step(error)
 
@@ -465,6 +470,7 @@ class AsyncLLM:
             stream = self._take_output(out, now)
             if stream is not None:
                 batches.setdefault(stream.loop, []).append((stream.collector, out))
+        self._notify_iteration()
         for loop, items in batches.items():
             try:
                 loop.call_soon_threadsafe(_deliver, items)
@@ -504,10 +510,12 @@ class AsyncLLM:
             if not n:
                 continue
             stream.num_generation_tokens += n
+            self._iteration_tokens[1] += n
             last = stream.last_token.get(c.index)
             try:
                 if not stream.prompt_counted:
                     stream.prompt_counted = True
+                    self._iteration_tokens[0] += len(out.prompt_token_ids)
                     for o in self._observers:
                         o.on_first_token(now - stream.arrival, len(out.prompt_token_ids))
                 elif last is not None:
@@ -516,6 +524,18 @@ class AsyncLLM:
             except Exception:  # metrics must never break serving
                 logger.exception("stat observer failed")
             stream.last_token[c.index] = now
+
+    def _notify_iteration(self) -> None:
+        """The step's token counts (gathered by ``_record``) to the observers, then reset."""
+        prompt, generated = self._iteration_tokens
+        self._iteration_tokens = [0, 0]
+        if not (prompt or generated):
+            return
+        for o in self._observers:
+            try:
+                o.on_iteration(prompt, generated)
+            except Exception:  # metrics must never break serving
+                logger.exception("stat observer failed")
 
     def _notify_finished(self, stream: _Stream, reason: str, now: float | None = None) -> None:
         e2e = (now or time.monotonic()) - stream.arrival

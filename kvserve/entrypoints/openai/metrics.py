@@ -86,6 +86,13 @@ class ServerMetrics:
                               lbl, buckets=_ITL_BUCKETS, registry=reg).labels(**m)
         self.itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
                              lbl, buckets=_ITL_BUCKETS, registry=reg).labels(**m)
+        runner = async_llm.engine.config.runner_config
+        # vLLM's buckets (build_cudagraph_buckets): the CUDA-graph sizes, else a fixed list (8096 as vLLM has it)
+        iteration_buckets = (sorted(runner.cudagraph_capture_sizes) if not runner.enforce_eager
+                             and runner.cudagraph_capture_sizes else
+                             [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8096])
+        self.iteration_tokens = Histogram("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+                                          lbl, buckets=iteration_buckets, registry=reg).labels(**m)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
                              lbl, buckets=_E2E_BUCKETS, registry=reg).labels(**m)
 
@@ -104,6 +111,9 @@ class ServerMetrics:
         self.generation_tokens.inc(num_generation_tokens)
         self._success.labels(model_name=self._model, finished_reason=finish_reason).inc()
         self.e2e.observe(e2e_s)
+
+    def on_iteration(self, num_prompt_tokens: int, num_generation_tokens: int) -> None:
+        self.iteration_tokens.observe(num_prompt_tokens + num_generation_tokens)
 
     def render(self) -> bytes:
         if not self._multiprocess:
