@@ -18,10 +18,11 @@ BENCH = REPO / "benchmarks"
 RUN_FIELDS = {"benchmark", "date", "command", "smoke", "git_commit", "gpu", "cpu", "python", "torch", "triton",
               "transformers"}
 # one smoke test per script below; the helper modules beside them are not benchmarks
-SMOKE_TESTED = {"kernel_bench", "e2e_bench", "gdn_bench", "hybrid_bench", "quant_bench", "serve_bench", "cpu_bench",
-                "parity_bench"}
+SMOKE_TESTED = {"kernel_bench", "e2e_bench", "gdn_bench", "hybrid_bench", "quant_bench", "moe_bench", "serve_bench",
+                "cpu_bench", "parity_bench"}
 HELPERS = {"common", "flex_paged", "flashinfer_peer", "vllm_triton_peer"}
-FAMILIES = ("kernels", "e2e", "gdn", "hybrid", "quant", "serve", "cpu", "profile", "parity")
+FAMILIES = ("kernels", "e2e", "gdn", "hybrid", "quant", "moe", "serve", "cpu", "profile", "parity")
+ALL = ("kernels", "e2e", "gdn", "hybrid", "quant", "moe", "serve", "cpu")  # gpu.sh all
 
 
 def run_smoke(script: str, tmp_path: Path, *extra: str, timeout: float = 300) -> tuple[dict, str]:
@@ -80,6 +81,42 @@ def test_quant_smoke_times_the_w4a16_gemm_and_checks_it_against_the_dequantized_
         assert 1 <= r["experts_touched"] <= min(cfg["experts"], r["tokens"] * cfg["top_k"])
         assert r["bytes_touched"] == r["experts_touched"] * per_expert
         assert r["grouped_gemms_ms"] > 0 and r["rel_err"] < 1e-5
+
+
+def test_moe_smoke_times_the_grouped_gemms_and_checks_them_and_the_block_against_the_loop(tmp_path):
+    doc, out = run_smoke("moe_bench", tmp_path)
+    cfg, rows = doc["moe"], doc["rows"]
+    e, h, i, k = cfg["experts"], cfg["hidden"], cfg["intermediate"], cfg["top_k"]
+    assert (e, h, i, k) == (8, 64, 32, 2) and doc["dtype"] == "torch.float32"
+    assert [r["tokens"] for r in rows] == [1, 5, 40] and "cut_short" not in doc
+    bytes_per_s = doc["copy_bandwidth"]["bytes_per_s"]
+    assert bytes_per_s > 0
+    per_expert = (2 * i * h + h * i) * 4  # gate | up [2I, H] and down [H, I] of one expert, fp32 here
+    assert doc["weight_bytes_per_expert"] == per_expert
+    for r in rows:
+        t = r["tokens"]
+        assert r["routed_rows"] == t * k and r["block_m"] == 16  # <= 16 rows an expert: decode-sized blocks
+        assert k <= r["experts_touched"] <= min(e, t * k)  # a token's top-k experts are distinct
+        assert r["bytes_touched"] == r["experts_touched"] * per_expert
+        assert r["floor_ms"] == pytest.approx(r["bytes_touched"] / bytes_per_s * 1e3)
+        assert r["copy_bw_fraction"] == pytest.approx(r["floor_ms"] / r["grouped_gemms_ms"])
+        assert r["gemm_flops"] == 2 * t * k * (2 * i * h + h * i)
+        assert r["fraction_of_dense"] == pytest.approx(r["dense_ms"] / r["grouped_gemms_ms"])
+        assert r["grouped_tflops"] == pytest.approx(r["gemm_flops"] / r["grouped_gemms_ms"] / 1e9)
+        for key in ("grouped_gemms_ms", "dense_ms", "block_device_graph_ms", "block_device_eager_ms",
+                    "block_reference_eager_ms"):
+            assert r[key] > 0, key
+        # fp32 on the CPU, IEEE products in the kernel (triton_moe's IEEE flag) and in the torch loop: the
+        # two differ in summation order only, |error| <= gamma_n sum |products| with gamma_n ~ n 2^-24 =
+        # 3.8e-6 at n = H = 64 (Higham, Accuracy and Stability of Numerical Algorithms, eq. 3.5); measured
+        # ~3e-7. 1e-5 is the bar test_quant_smoke sets for the same fp32 summation-order difference.
+        assert r["gemms_rel_err"] < 1e-5 and r["block_rel_err"] < 1e-5
+        assert r["block_routing_mismatch_tokens"] == 0  # fp32 router: both paths pick the same experts
+    assert "summary: moe grouped GEMMs: fraction of copy bw / of dense GEMM FLOP/s: 1 tok " in out
+    assert ", 5 tok " in out and ", 40 tok " in out
+    # --time-budget-s: no point starts after it; the JSON says the run was cut short
+    doc, out = run_smoke("moe_bench", tmp_path, "--time-budget-s", "0")
+    assert doc["rows"] == [] and doc["cut_short"] is True and "(cut short)" in out
 
 
 def test_quant_sweep_grid_on_an_sm90_device(monkeypatch):
@@ -253,6 +290,21 @@ def test_gpu_sh_rejects_an_unknown_suite_naming_the_accepted_ones(args, tmp_path
     for name in (*FAMILIES, "all"):
         assert name in r.stderr
     assert not (tmp_path / "out").exists()  # nothing ran
+
+
+def test_gpu_sh_lists_every_family_with_a_command_and_a_budget():
+    """FAMILIES and ALL above are gpu.sh's; every family has its command and its time budget."""
+    import re
+
+    text = (BENCH / "gpu.sh").read_text()
+    assert tuple(re.search(r"^FAMILIES=\((.*)\)$", text, re.M).group(1).split()) == FAMILIES
+    assert tuple(re.search(r"^ALL=\((.*)\)$", text, re.M).group(1).split()) == ALL
+    commands = text[text.index("family_command() {"):text.index("budget_of() {")]
+    budgets = text[text.index("budget_of() {"):]
+    for fam in FAMILIES:
+        assert re.search(rf"^\s+{fam}\)", commands, re.M), fam
+        assert re.search(rf"\b{fam}\) echo \"\${fam.upper()}_S\"", budgets), fam
+        assert re.search(rf"\b{fam.upper()}_S=\${{{fam.upper()}_S:-\d+}}", text), fam
 
 
 def test_gpu_sh_without_a_suite_prints_usage():
