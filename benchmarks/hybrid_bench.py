@@ -14,7 +14,8 @@ context) over the device-to-device copy bandwidth measured in the same run.
 
     bash benchmarks/gpu.sh hybrid                                      # H200: $OUT/hybrid.json, ~6 min
     python3 benchmarks/hybrid_bench.py --out hybrid.json               # H200 by hand
-    python3 benchmarks/hybrid_bench.py --config DIR --out moe.json     # another hybrid config
+    python3 benchmarks/hybrid_bench.py --config benchmarks/configs/qwen3.6-35b-a3b --out moe.json
+                                     # the MoE sibling (35B-A3B: 256 experts, top-8; ~67 GB of bf16 weights)
     python3 benchmarks/hybrid_bench.py --smoke --out /tmp/hybrid.json  # CPU: tiny config, every path
 
 ``--quantization ALGO`` (a ModelOpt algo, e.g. MIXED_PRECISION, the Qwen3.6 NVFP4 recipe) also runs
