@@ -1003,6 +1003,7 @@ def test_generation_config_supplies_default_sampling_params(tmp_path, kvlog):
 
     class _FakeLLM:
         max_model_len = 512
+        tokenizer = None
 
     serving = OpenAIServing(_FakeLLM(), "m", defaults)  # type: ignore[arg-type]
     p = serving.sampling_params(CompletionRequest(model="m", prompt="hi"), None, None)

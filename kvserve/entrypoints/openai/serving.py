@@ -14,6 +14,7 @@ import msgspec
 from kvserve.engine.async_llm import AsyncLLM, EngineDeadError
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
 from kvserve.engine.sampling import SamplingParams
+from kvserve.entrypoints.openai.async_tokenizer import AsyncMicrobatchTokenizer
 from kvserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -155,6 +156,8 @@ class OpenAIServing:
         self.model_name = served_model_name
         self.max_model_len = async_llm.max_model_len
         self.default_sampling = dict(default_sampling or {})
+        # text prompts and chat templates off the event loop, batched (None: no tokenizer, the engine refuses text)
+        self.tokenizer = None if async_llm.tokenizer is None else AsyncMicrobatchTokenizer(async_llm.tokenizer)
 
     # ---- shared ------------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -292,7 +295,10 @@ class OpenAIServing:
             if isinstance(p, str):
                 if not p:
                     raise OpenAIError("The decoder prompt cannot be empty", param="prompt")
-                p = (await self.llm.call(lambda eng, p=p: eng.tokenize(p)))[1]
+                if self.tokenizer is not None:
+                    p = await self.tokenizer.encode(p)
+                else:
+                    p = (await self.llm.call(lambda eng, p=p: eng.tokenize(p)))[1]
             out.append(list(p))
         return out
 
@@ -403,8 +409,8 @@ class OpenAIServing:
             raise OpenAIError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
                               param="continue_final_message")
 
-        def render(eng: Any) -> list[int]:
-            ids = eng.tokenizer.apply_chat_template(
+        def render(tokenizer: Any) -> list[int]:
+            ids = tokenizer.apply_chat_template(
                 msgs, add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message, tokenize=True, return_dict=False,
                 **(req.chat_template_kwargs or {}),
@@ -414,7 +420,9 @@ class OpenAIServing:
             return list(ids)
 
         try:
-            return await self.llm.call(render)
+            if self.tokenizer is None:
+                return await self.llm.call(lambda eng: render(eng.tokenizer))
+            return await self.tokenizer.run(render)
         except OpenAIError:
             raise
         except Exception as e:  # jinja errors (roles must alternate, ...), bad kwargs
