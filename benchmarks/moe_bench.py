@@ -27,12 +27,17 @@ calls (``common.median_ms``). Errors are max |got - want| / max |want|.
 
     python3 benchmarks/moe_bench.py --out m.json               # GPU (bash benchmarks/gpu.sh moe)
     python3 benchmarks/moe_bench.py --smoke --out /tmp/m.json  # CPU, Triton interpreter: tiny shapes, fp32
+
+``--sweep [N]`` also times the two GEMMs under the first N launches of ``sweep_grid`` (row block,
+column and K tiles, warps, stages; each output checked): the tuning run behind a table of launches
+per shape, as vLLM keeps per-device fused-MoE configs.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import os
 import sys
 import time
@@ -94,7 +99,7 @@ def _set_device_path(blk: nn.Module, on: bool) -> None:
 
 
 @torch.no_grad()
-def bench(moe: dict, tokens: list[int], budget_s: float, doc: dict, save) -> None:
+def bench(moe: dict, tokens: list[int], budget_s: float, doc: dict, save, sweep: int = 0) -> None:
     """Every token count's row (1-4 of the module docstring) into ``doc["rows"]``, ``save()`` after each;
     no new point after ``budget_s``."""
     from kvserve.bench.throughput import measure_copy_bandwidth
@@ -140,7 +145,7 @@ def bench(moe: dict, tokens: list[int], budget_s: float, doc: dict, save) -> Non
         top_w, top_idx = torch.softmax(logits, -1).topk(k, dim=-1)
         top_w = (top_w / top_w.sum(-1, keepdim=True)).to(DTYPE)
         x = torch.randn(t, h, generator=gen, device=DEV, dtype=DTYPE)
-        row = {"tokens": t, "routed_rows": t * k, **_gemms(blocks, x, top_idx, top_w)}
+        row = {"tokens": t, "routed_rows": t * k, **_gemms(blocks, x, top_idx, top_w, sweep)}
         row["bytes_touched"] = row["experts_touched"] * per_expert
         row["floor_ms"] = row["bytes_touched"] / bytes_per_s * 1e3
         row["dense_ms"] = _dense(t * k, wgus, wdns, gen)
@@ -168,7 +173,7 @@ def bench(moe: dict, tokens: list[int], budget_s: float, doc: dict, save) -> Non
         save()
 
 
-def _gemms(blocks: list, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor) -> dict:
+def _gemms(blocks: list, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor, sweep: int = 0) -> dict:
     """1 and 4: the two grouped GEMMs over the blocks' expert weights (rotated), and their output
     (the timed buffers, weighted and summed over the top-k) against the torch loop on copy 0."""
     from kvserve.kernels.triton_moe import grouped_matmul
@@ -199,9 +204,55 @@ def _gemms(blocks: list, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Te
         grouped_matmul(x, ex.gate_up_proj, ids, block_expert, block_m, k, hb)
         grouped_matmul(a, ex.down_proj, ids, block_expert, block_m, 1, db)
 
-    return {"experts_touched": int(top_idx.unique().numel()), "block_m": block_m,
-            "grouped_gemms_ms": _time_ms([lambda ex=ex: call(ex) for ex in experts]),
-            "gemms_rel_err": _rel_err(got, want)}
+    row = {"experts_touched": int(top_idx.unique().numel()), "block_m": block_m,
+           "grouped_gemms_ms": _time_ms([lambda ex=ex: call(ex) for ex in experts]),
+           "gemms_rel_err": _rel_err(got, want)}
+    if sweep:
+        row["sweep"] = _sweep(experts, x, a, top_idx, top_w, want, sweep)
+        best = min(row["sweep"], key=lambda r: r["ms"])
+        row["sweep_best"] = best
+        row["sweep_best_over_default"] = best["ms"] / row["grouped_gemms_ms"]
+    return row
+
+
+def sweep_grid() -> list[tuple[int, "object"]]:
+    """(block_m, MoETiles) to try, the defaults' neighbours first: row blocks 16 / 32 / 64, column
+    tiles 64 / 128, K tiles 64 / 128, 4 / 8 warps, 3 / 4 stages."""
+    from kvserve.kernels.triton_moe import MoETiles
+
+    return [(bm, MoETiles(bn, bk, w, st)) for bm in (16, 64, 32) for bn in (128, 64) for bk in (64, 128)
+            for w in (4, 8) for st in (3, 4)]
+
+
+def _sweep(experts: list, x: torch.Tensor, a: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor,
+           want: torch.Tensor, limit: int) -> list[dict]:
+    """The two GEMMs under each of the first ``limit`` launches of ``sweep_grid`` (the same launch for
+    both GEMMs): time and the output's error against the torch loop (the tuning run behind a table of
+    launches per shape)."""
+    from kvserve.kernels.triton_moe import grouped_matmul
+    from kvserve.layers.moe import moe_align
+
+    t, h = x.shape
+    k, e = top_idx.shape[1], experts[0].num_experts
+    out = []
+    for bm, tiles in sweep_grid()[:limit]:
+        ids, block_expert = moe_align(top_idx, e, bm)
+        hb = torch.empty(t * k, 2 * experts[0].intermediate, dtype=DTYPE, device=DEV)
+        db = torch.full((t * k, h), float("nan"), dtype=DTYPE, device=DEV)
+
+        def call(ex, ids=ids, block_expert=block_expert, bm=bm, tiles=tiles, hb=hb, db=db) -> None:
+            grouped_matmul(x, ex.gate_up_proj, ids, block_expert, bm, k, hb, tiles)
+            grouped_matmul(a, ex.down_proj, ids, block_expert, bm, 1, db, tiles)
+
+        try:
+            call(experts[0])
+            err = _rel_err((db.view(t, k, h) * top_w[..., None]).sum(dim=1), want)
+            ms = _time_ms([lambda ex=ex: call(ex) for ex in experts])
+        except Exception as exc:  # a launch the GPU cannot take (shared memory, registers)
+            out.append({"block_m": bm, **dataclasses.asdict(tiles), "error": f"{type(exc).__name__}: {exc}"[:300]})
+            continue
+        out.append({"block_m": bm, **dataclasses.asdict(tiles), "ms": ms, "rel_err": err})
+    return [r for r in out if "ms" in r] or out
 
 
 def _dense(rows: int, wgus: list, wdns: list, gen) -> float:
@@ -252,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="token counts (decode batches, prefill chunks)")
     ap.add_argument("--time-budget-s", type=float, default=200.0, help="stop starting new points after this")
     ap.add_argument("--smoke", action="store_true", help="CPU: tiny shapes (8 experts, hidden 64, top-2), fp32")
+    ap.add_argument("--sweep", nargs="?", type=int, const=10**6, default=0, metavar="N",
+                    help="also time the grouped GEMMs under the first N launches of sweep_grid (all without N)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -272,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     def save() -> None:
         common.write_json(out, doc)
 
-    bench(moe, tokens, a.time_budget_s, doc, save)
+    bench(moe, tokens, a.time_budget_s, doc, save, a.sweep)
     save()
     print(f"wrote {out}")
     parts = [f"{r['tokens']} tok {r['copy_bw_fraction']:.2f} / {r['fraction_of_dense']:.2f}" for r in doc["rows"]]

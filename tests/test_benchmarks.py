@@ -84,8 +84,12 @@ def test_quant_smoke_times_the_w4a16_gemm_and_checks_it_against_the_dequantized_
 
 
 def test_moe_smoke_times_the_grouped_gemms_and_checks_them_and_the_block_against_the_loop(tmp_path):
-    doc, out = run_smoke("moe_bench", tmp_path)
+    doc, out = run_smoke("moe_bench", tmp_path, "--sweep", "2")
     cfg, rows = doc["moe"], doc["rows"]
+    for r in rows:  # the tuning sweep: two other launches, each checked against the torch loop like the default
+        assert [(s["block_m"], s["num_stages"]) for s in r["sweep"]] == [(16, 3), (16, 4)]
+        assert all(s["ms"] > 0 and s["rel_err"] < 1e-5 for s in r["sweep"])
+        assert r["sweep_best"]["ms"] == min(s["ms"] for s in r["sweep"])
     e, h, i, k = cfg["experts"], cfg["hidden"], cfg["intermediate"], cfg["top_k"]
     assert (e, h, i, k) == (8, 64, 32, 2) and doc["dtype"] == "torch.float32"
     assert [r["tokens"] for r in rows] == [1, 5, 40] and "cut_short" not in doc

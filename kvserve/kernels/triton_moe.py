@@ -7,9 +7,29 @@ whole layer can be captured in a CUDA graph. The 4-bit twin is ``triton_w4a16.w4
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
+
+
+@dataclass(frozen=True)
+class MoETiles:
+    """A grouped GEMM's launch besides its row block (``moe_align``'s ``block_m``): column and K
+    tiles, warps, pipeline stages."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def default_tiles(block_m: int, n: int, dtype: torch.dtype) -> MoETiles:
+    """The launch ``grouped_matmul`` takes without ``tiles`` (not yet tuned per shape on the GPU:
+    ``benchmarks/moe_bench.py --sweep`` times the alternatives)."""
+    return MoETiles(block_n=128 if n >= 128 and block_m <= 32 else 64, block_k=64 if dtype != torch.float32 else 32,
+                    num_warps=4 if block_m <= 32 else 8, num_stages=3)
 
 
 def check_routed_rows(name: str, ids: torch.Tensor, block_expert: torch.Tensor, block_m: int, out: torch.Tensor,
@@ -58,11 +78,12 @@ def _grouped_matmul_kernel(
 
 
 def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, block_expert: torch.Tensor,
-                   block_m: int, rows_per_x: int, out: torch.Tensor) -> torch.Tensor:
+                   block_m: int, rows_per_x: int, out: torch.Tensor, tiles: MoETiles | None = None) -> torch.Tensor:
     """Routed experts: ``out[r] = x[r // rows_per_x] @ weight[e]^T`` for every row r listed in ``ids``
     (int32, blocks of ``block_m`` rows of one expert each, -1 padding; ``block_expert`` the expert of
     each block, E for an empty one). ``weight`` [E, N, K] in x's dtype; ``out`` [rows, N] in x's dtype;
-    rows not listed are left as they are. One launch, no host sync: graph-capturable."""
+    rows not listed are left as they are. One launch, no host sync: graph-capturable. ``tiles``
+    overrides ``default_tiles`` (for tuning)."""
     num_experts, n, k = weight.shape
     if x.dim() != 2 or x.shape[1] != k or weight.dtype != x.dtype:
         raise ValueError(f"grouped_matmul: x {tuple(x.shape)} {x.dtype} and experts {tuple(weight.shape)} "
@@ -74,13 +95,12 @@ def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, blo
         weight = weight.contiguous()
     if block_expert.numel() == 0:
         return out
-    block_n = 128 if n >= 128 and block_m <= 32 else 64
-    block_k = 64 if x.dtype != torch.float32 else 32
-    grid = (triton.cdiv(n, block_n), block_expert.numel())
+    t = tiles or default_tiles(block_m, n, x.dtype)
+    grid = (triton.cdiv(n, t.block_n), block_expert.numel())
     _grouped_matmul_kernel[grid](
         x, weight, out, ids, block_expert, n, k, num_experts,
         x.stride(0), weight.stride(0), weight.stride(1), out.stride(0),
-        ROW_DIV=rows_per_x, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32,
-        num_warps=4 if block_m <= 32 else 8, num_stages=3,
+        ROW_DIV=rows_per_x, BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, IEEE=x.dtype == torch.float32,
+        num_warps=t.num_warps, num_stages=t.num_stages,
     )
     return out
