@@ -18,7 +18,7 @@ Per token count T (k = 8 routed rows a token):
    ``moe_align``, the grouped GEMMs, the shared expert, the gated add) as a CUDA graph, and eagerly,
    against the same block on the torch reference path (the loop over experts, which reads counts on
    the host and cannot be captured: eager), outputs compared.
-4. The grouped GEMMs' own output (the timed buffers, combined with the routing weights) against the
+4. The grouped GEMMs' own output (the down GEMM weighting its rows, summed over the top-k) against the
    torch loop of ``Experts`` (``fused = False``) on the same weights and routing.
 
 Times 1-3 on CUDA are GPU times of CUDA-graph replays over expert-weight copies that together pass
@@ -195,14 +195,15 @@ def _gemms(blocks: list, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Te
     else:
         gate, up = hb.chunk(2, dim=-1)
         a = F.silu(gate) * up
-    grouped_matmul(a, experts[0].down_proj, ids, block_expert, block_m, 1, db)
-    got = (db.view(t, k, h) * top_w[..., None]).sum(dim=1)
+    rw = top_w.reshape(-1).contiguous()  # the routing weights, applied in the down GEMM (as routed_swiglu)
+    grouped_matmul(a, experts[0].down_proj, ids, block_expert, block_m, 1, db, rw)
+    got = db.view(t, k, h).sum(dim=1)
     experts[0].fused = False
     want = experts[0](x, top_idx, top_w)
 
     def call(ex) -> None:
         grouped_matmul(x, ex.gate_up_proj, ids, block_expert, block_m, k, hb)
-        grouped_matmul(a, ex.down_proj, ids, block_expert, block_m, 1, db)
+        grouped_matmul(a, ex.down_proj, ids, block_expert, block_m, 1, db, rw)
 
     row = {"experts_touched": int(top_idx.unique().numel()), "block_m": block_m,
            "grouped_gemms_ms": _time_ms([lambda ex=ex: call(ex) for ex in experts]),
@@ -234,6 +235,7 @@ def _sweep(experts: list, x: torch.Tensor, a: torch.Tensor, top_idx: torch.Tenso
 
     t, h = x.shape
     k, e = top_idx.shape[1], experts[0].num_experts
+    rw = top_w.reshape(-1).contiguous()
     out = []
     for bm, tiles in sweep_grid()[:limit]:
         ids, block_expert = moe_align(top_idx, e, bm)
@@ -241,12 +243,12 @@ def _sweep(experts: list, x: torch.Tensor, a: torch.Tensor, top_idx: torch.Tenso
         db = torch.full((t * k, h), float("nan"), dtype=DTYPE, device=DEV)
 
         def call(ex, ids=ids, block_expert=block_expert, bm=bm, tiles=tiles, hb=hb, db=db) -> None:
-            grouped_matmul(x, ex.gate_up_proj, ids, block_expert, bm, k, hb, tiles)
-            grouped_matmul(a, ex.down_proj, ids, block_expert, bm, 1, db, tiles)
+            grouped_matmul(x, ex.gate_up_proj, ids, block_expert, bm, k, hb, tiles=tiles)
+            grouped_matmul(a, ex.down_proj, ids, block_expert, bm, 1, db, rw, tiles=tiles)
 
         try:
             call(experts[0])
-            err = _rel_err((db.view(t, k, h) * top_w[..., None]).sum(dim=1), want)
+            err = _rel_err(db.view(t, k, h).sum(dim=1), want)
             ms = _time_ms([lambda ex=ex: call(ex) for ex in experts])
         except Exception as exc:  # a launch the GPU cannot take (shared memory, registers)
             out.append({"block_m": bm, **dataclasses.asdict(tiles), "error": f"{type(exc).__name__}: {exc}"[:300]})

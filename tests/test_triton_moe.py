@@ -132,3 +132,26 @@ def test_fused_experts_capture_in_a_cuda_graph():
         top.copy_(torch.stack([torch.randperm(e, device="cuda")[:k] for _ in range(tokens)]))
         graph.replay()
         torch.testing.assert_close(out, mod(x, top, w), rtol=0, atol=0)
+
+
+def test_row_weight_scales_each_routed_row_before_its_rounding():
+    """``row_weight`` (the routing weights, vLLM's MUL_ROUTED_WEIGHT): in fp32 the weighted rows are
+    exactly the unweighted ones times their weight (the same fp32 accumulator, one product, one
+    rounding); a weight of the wrong length is refused, naming it."""
+    from kvserve.kernels.triton_moe import grouped_matmul
+
+    gen = torch.Generator().manual_seed(11)
+    e, k, n, kdim, tokens = 6, 2, 40, 24, 7
+    top = _routing(tokens, e, k, used=5, gen=gen)
+    x = torch.randn(tokens, kdim, generator=gen).to(DEV)
+    w = torch.randn(e, n, kdim, generator=gen).to(DEV)
+    rw = torch.rand(tokens * k, generator=gen).to(DEV)
+    ids, block_expert = moe_align(top, e, 16)
+    plain = torch.full((tokens * k, n), float("nan"), device=DEV)
+    weighted = plain.clone()
+    grouped_matmul(x, w, ids, block_expert, 16, k, plain)
+    grouped_matmul(x, w, ids, block_expert, 16, k, weighted, rw)
+    assert bool(torch.isfinite(weighted).all())
+    assert torch.equal(weighted, plain * rw[:, None])
+    with pytest.raises(ValueError, match=r"row_weight \(13,\)"):
+        grouped_matmul(x, w, ids, block_expert, 16, k, weighted, rw[:13])

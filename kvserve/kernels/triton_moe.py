@@ -33,26 +33,31 @@ def default_tiles(block_m: int, n: int, dtype: torch.dtype) -> MoETiles:
 
 
 def check_routed_rows(name: str, ids: torch.Tensor, block_expert: torch.Tensor, block_m: int, out: torch.Tensor,
-                      n: int, dtype: torch.dtype) -> None:
-    """The row layout and output every grouped GEMM over ``moe_align``'s blocks takes (dense and W4A16):
-    int32 ids, ``block_m`` of them a block, and ``out`` [rows, n] of ``dtype``, unit column stride."""
+                      n: int, dtype: torch.dtype, row_weight: torch.Tensor | None = None) -> None:
+    """The row layout and output every grouped GEMM over ``moe_align``'s blocks takes (dense, W4A16,
+    FP8): int32 ids, ``block_m`` of them a block, ``out`` [rows, n] of ``dtype``, unit column stride,
+    and the optional ``row_weight``: one contiguous value per row of ``out``."""
     if ids.dtype != torch.int32 or block_expert.dtype != torch.int32 or ids.numel() != block_expert.numel() * block_m:
         raise ValueError(f"{name}: ids {tuple(ids.shape)} {ids.dtype} and block_expert "
                          f"{tuple(block_expert.shape)} {block_expert.dtype}: int32, {block_m} ids a block")
     if out.dim() != 2 or out.shape[1] != n or out.dtype != dtype or out.stride(-1) != 1:
         raise ValueError(f"{name}: out {tuple(out.shape)} {out.dtype}, expected [rows, {n}] {dtype}")
+    if row_weight is not None and (row_weight.shape != (out.shape[0],) or not row_weight.is_contiguous()
+                                   or not row_weight.is_floating_point()):
+        raise ValueError(f"{name}: row_weight {tuple(row_weight.shape)} {row_weight.dtype}, expected a contiguous "
+                         f"float [{out.shape[0]}] (one weight per routed row)")
 
 
 @triton.jit
 def _grouped_matmul_kernel(
-    x_ptr, w_ptr, y_ptr, ids_ptr, expert_ptr,
+    x_ptr, w_ptr, y_ptr, ids_ptr, expert_ptr, rw_ptr,
     N, K, num_experts, stride_xm, stride_we, stride_wn, stride_ym,
     ROW_DIV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, ROW_WEIGHT: tl.constexpr,
 ):
     """Program (n, b): block b of BLOCK_M routed rows of expert ``expert[b]`` (>= num_experts: empty),
-    columns [n * BLOCK_N, ...): y[row] = x[row // ROW_DIV] @ W_e^T, fp32 accumulation, y's dtype
-    (float32 operands: IEEE products, not TF32)."""
+    columns [n * BLOCK_N, ...): y[row] = x[row // ROW_DIV] @ W_e^T (times rw[row] with ROW_WEIGHT),
+    fp32 accumulation, y's dtype (float32 operands: IEEE products, not TF32)."""
     b = tl.program_id(1)
     e = tl.load(expert_ptr + b)
     if e < num_experts:
@@ -73,22 +78,26 @@ def _grouped_matmul_kernel(
                 acc = tl.dot(xv, wv, acc, input_precision="ieee")
             else:
                 acc = tl.dot(xv, wv, acc)
+        if ROW_WEIGHT:
+            acc = acc * tl.load(rw_ptr + tl.where(m_ok, ids, 0), mask=m_ok, other=0.0).to(tl.float32)[:, None]
         y = y_ptr + tl.where(m_ok, ids, 0).to(tl.int64)[:, None] * stride_ym + rn[None, :]
         tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, block_expert: torch.Tensor,
-                   block_m: int, rows_per_x: int, out: torch.Tensor, tiles: MoETiles | None = None) -> torch.Tensor:
+                   block_m: int, rows_per_x: int, out: torch.Tensor, row_weight: torch.Tensor | None = None,
+                   tiles: MoETiles | None = None) -> torch.Tensor:
     """Routed experts: ``out[r] = x[r // rows_per_x] @ weight[e]^T`` for every row r listed in ``ids``
     (int32, blocks of ``block_m`` rows of one expert each, -1 padding; ``block_expert`` the expert of
     each block, E for an empty one). ``weight`` [E, N, K] in x's dtype; ``out`` [rows, N] in x's dtype;
-    rows not listed are left as they are. One launch, no host sync: graph-capturable. ``tiles``
-    overrides ``default_tiles`` (for tuning)."""
+    rows not listed are left as they are. ``row_weight`` (one value per routed row: the routing
+    weights) multiplies each row's fp32 result before the rounding (vLLM's ``MUL_ROUTED_WEIGHT``).
+    One launch, no host sync: graph-capturable. ``tiles`` overrides ``default_tiles`` (for tuning)."""
     num_experts, n, k = weight.shape
     if x.dim() != 2 or x.shape[1] != k or weight.dtype != x.dtype:
         raise ValueError(f"grouped_matmul: x {tuple(x.shape)} {x.dtype} and experts {tuple(weight.shape)} "
                          f"{weight.dtype} do not match")
-    check_routed_rows("grouped_matmul", ids, block_expert, block_m, out, n, x.dtype)
+    check_routed_rows("grouped_matmul", ids, block_expert, block_m, out, n, x.dtype, row_weight)
     if x.stride(-1) != 1:
         x = x.contiguous()
     if weight.stride(-1) != 1:
@@ -98,9 +107,10 @@ def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, blo
     t = tiles or default_tiles(block_m, n, x.dtype)
     grid = (triton.cdiv(n, t.block_n), block_expert.numel())
     _grouped_matmul_kernel[grid](
-        x, weight, out, ids, block_expert, n, k, num_experts,
+        x, weight, out, ids, block_expert, out if row_weight is None else row_weight, n, k, num_experts,
         x.stride(0), weight.stride(0), weight.stride(1), out.stride(0),
         ROW_DIV=rows_per_x, BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, IEEE=x.dtype == torch.float32,
+        ROW_WEIGHT=row_weight is not None,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )
     return out

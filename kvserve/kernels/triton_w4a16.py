@@ -590,11 +590,12 @@ def w4a16_matmul(x: torch.Tensor, weight: W4A16Weight, out: torch.Tensor | None 
 
 @triton.jit(do_not_specialize=["N", "K", "n_chunks", "num_experts"])
 def _w4a16_grouped_kernel(
-    x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, ids_ptr, expert_ptr,
+    x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, ids_ptr, expert_ptr, rw_ptr,
     N, K, n_chunks, num_experts,
     stride_xm, stride_we, stride_wn, stride_wp, stride_se, stride_sn, stride_sp, stride_ge, stride_ym,
     ROW_DIV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, CHUNKS: tl.constexpr,
     DECODE: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, ONE_DOT: tl.constexpr,
+    ROW_WEIGHT: tl.constexpr,
 ):
     """Block b of BLOCK_M routed rows, all for expert ``expert[b]`` (>= num_experts: an empty block):
     y[row] = x[row // ROW_DIV] @ W_e^T for the rows ``ids[b * BLOCK_M:]`` (-1: padding)."""
@@ -614,23 +615,28 @@ def _w4a16_grouped_kernel(
             acc = _chunk(acc, w_rows, s_rows, x_cols, c, stride_wp, stride_sp, K, n_ok, m_ok, BLOCK_N, DECODE, EVEN_N,
                          EVEN_K, ONE_DOT)
         g = tl.load(g_ptr + e.to(tl.int64) * stride_ge + rn, mask=n_ok, other=0.0)
+        acc = acc * g[:, None]
+        if ROW_WEIGHT:  # the routing weight of each routed row (vLLM's MUL_ROUTED_WEIGHT)
+            acc = acc * tl.load(rw_ptr + tl.where(m_ok, ids, 0), mask=m_ok, other=0.0).to(tl.float32)[None, :]
         y_at = y_ptr + tl.where(m_ok, ids, 0).to(tl.int64)[None, :] * stride_ym + rn[:, None]
-        tl.store(y_at, (acc * g[:, None]).to(y_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
+        tl.store(y_at, acc.to(y_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
 
 
 def w4a16_grouped_matmul(x: torch.Tensor, weight: W4A16Weight, ids: torch.Tensor, block_expert: torch.Tensor,
-                         block_m: int, rows_per_x: int, out: torch.Tensor) -> torch.Tensor:
+                         block_m: int, rows_per_x: int, out: torch.Tensor,
+                         row_weight: torch.Tensor | None = None) -> torch.Tensor:
     """Routed experts: ``out[r] = x[r // rows_per_x] @ W_e^T`` for every row r listed in ``ids``
     (int32, blocks of ``block_m`` rows of one expert each, -1 padding; ``block_expert`` int32 the
     expert of each block, ``E`` for an empty one; ``moe_align`` in ``layers/moe.py`` makes
     both on the device). ``weight`` stacks E experts; ``out`` [rows, N] in x's dtype; rows not
-    listed are left as they are. One launch, no host sync: graph-capturable."""
+    listed are left as they are; ``row_weight`` (one per routed row) multiplies each row's fp32
+    result last. One launch, no host sync: graph-capturable."""
     k, n = weight.in_features, weight.out_features
     num_experts = weight.codes.shape[0]
     if weight.codes.dim() != 4 or x.shape[-1] != k or x.dim() != 2:
         raise ValueError(f"w4a16_grouped_matmul: x {tuple(x.shape)} and stacked experts {tuple(weight.codes.shape)} "
                          f"(in_features {k}) do not match")
-    check_routed_rows("w4a16_grouped_matmul", ids, block_expert, block_m, out, n, x.dtype)
+    check_routed_rows("w4a16_grouped_matmul", ids, block_expert, block_m, out, n, x.dtype, row_weight)
     if x.stride(-1) != 1:
         x = x.contiguous()
     if block_expert.numel() == 0:
@@ -639,11 +645,11 @@ def w4a16_grouped_matmul(x: torch.Tensor, weight: W4A16Weight, ids: torch.Tensor
     grid = (triton.cdiv(n, block_n), block_expert.numel())
     _w4a16_grouped_kernel[grid](
         x, weight.codes, weight.scales, weight.row_scale, out, ids, block_expert,
-        n, k, triton.cdiv(k, CHUNK), num_experts,
+        out if row_weight is None else row_weight, n, k, triton.cdiv(k, CHUNK), num_experts,
         x.stride(0), weight.codes.stride(0), weight.codes.stride(1), weight.codes.stride(2), weight.scales.stride(0),
         weight.scales.stride(1), weight.scales.stride(2), weight.row_scale.stride(0), out.stride(0),
         ROW_DIV=rows_per_x, BLOCK_N=block_n, BLOCK_M=block_m, CHUNKS=2, DECODE=_decode_mode(x),
-        EVEN_N=n % block_n == 0, EVEN_K=k % CHUNK == 0, ONE_DOT=False, num_warps=4 if block_m <= 32 else 8,
-        num_stages=3,
+        EVEN_N=n % block_n == 0, EVEN_K=k % CHUNK == 0, ONE_DOT=False, ROW_WEIGHT=row_weight is not None,
+        num_warps=4 if block_m <= 32 else 8, num_stages=3,
     )
     return out

@@ -40,14 +40,16 @@ def moe_align(top_idx: torch.Tensor, num_experts: int, block_m: int) -> tuple[to
     return ids, block_expert
 
 
-# matmul(a, "gate_up_proj" | "down_proj", ids, block_expert, block_m, rows_per_x, out): a grouped GEMM
+# matmul(a, "gate_up_proj" | "down_proj", ids, block_expert, block_m, rows_per_x, out[, row_weight]): a grouped
+# GEMM; row_weight (one per routed row) multiplies each row's fp32 result before its rounding
 GroupedMatmul = Callable[..., torch.Tensor]
 
 
 def routed_swiglu(x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor, num_experts: int,
                   intermediate: int, hidden: int, matmul: GroupedMatmul) -> torch.Tensor:
     """The dense ``Experts``' arithmetic over grouped GEMMs: per (token, slot) row
-    ``down(silu(gate) * up)`` of its expert, times the routing weight, summed over the top-k."""
+    ``down(silu(gate) * up)`` of its expert, times the routing weight (in the down GEMM, before its
+    rounding, as vLLM's ``MUL_ROUTED_WEIGHT``), summed over the top-k."""
     t, k = top_idx.shape
     block_m = expert_block_rows(t * k, num_experts)
     ids, block_expert = moe_align(top_idx, num_experts, block_m)
@@ -61,5 +63,5 @@ def routed_swiglu(x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor, n
         gate, up = h.chunk(2, dim=-1)
         a = F.silu(gate) * up
     d = torch.empty((t * k, hidden), dtype=x.dtype, device=x.device)
-    matmul(a, "down_proj", ids, block_expert, block_m, 1, d)
-    return (d.view(t, k, hidden) * top_w[..., None]).sum(dim=1)
+    matmul(a, "down_proj", ids, block_expert, block_m, 1, d, top_w.reshape(-1).contiguous())  # weighted rows
+    return d.view(t, k, hidden).sum(dim=1)

@@ -131,7 +131,7 @@ class FP8Experts(nn.Module):
         return routed_swiglu(x, top_idx, top_w, self.num_experts, self.intermediate, self.hidden, self._matmul)
 
     def _matmul(self, a: torch.Tensor, name: str, ids: torch.Tensor, block_expert: torch.Tensor, block_m: int,
-                rows_per_x: int, out: torch.Tensor) -> torch.Tensor:
+                rows_per_x: int, out: torch.Tensor, row_weight: torch.Tensor | None = None) -> torch.Tensor:
         """One GEMM of ``routed_swiglu``: ``a`` quantized with the GEMM's static input scale
         (``fp8(clamp(float32(a) * (1 / s_in), +-448))``, one Triton launch on CUDA, as ``FP8Linear``),
         then the grouped FP8 GEMM."""
@@ -145,7 +145,8 @@ class FP8Experts(nn.Module):
         else:  # (tests: the interpreter) the torch twin, bit-equal
             aq = quantize_fp8_static(a, inv)
         return fp8_grouped_matmul(aq, getattr(self, name), getattr(self, f"{name}_scale"),
-                                  getattr(self, f"{name}_input_scale"), ids, block_expert, block_m, rows_per_x, out)
+                                  getattr(self, f"{name}_input_scale"), ids, block_expert, block_m, rows_per_x, out,
+                                  row_weight)
 
     def init_dummy(self, gen: torch.Generator) -> None:
         """``--load-format dummy``: random fp8 codes within +-448 at scale 1e-3 / 448 (weights within
