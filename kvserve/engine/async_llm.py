@@ -5,9 +5,9 @@ Two ways to drive the engine, one public API:
 - the core in its own process (``kvserve serve``): everything runs on the caller's event loop, as
   vLLM's front end does. Adds, aborts and calls go straight to the ``Engine`` (its ``CoreClient``
   sends them); an output-handler task awaits the core's messages on an asyncio view of the same
-  ZeroMQ socket, turns each into ``RequestOutput``s (``Engine.process_core_outputs``: text, stop
-  strings) in chunks of ``VLLM_V1_OUTPUT_PROC_CHUNK_SIZE`` (yielding to the loop between chunks) and
-  puts them in the requests' collectors: no thread, no hand-off between threads.
+  ZeroMQ socket and turns each into ``RequestOutput``s (``Engine.process_core_outputs``: text, stop
+  strings) and into the requests' collectors ``VLLM_V1_OUTPUT_PROC_CHUNK_SIZE`` at a time (yielding to
+  the loop between chunks): no thread, no hand-off between threads.
 - the core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, tests): the step loop on a
   background thread, the only one that touches the ``Engine``; callers talk to it through a
   thread-safe inbox of commands (add / abort / call / stop) and outputs come back through
@@ -317,12 +317,15 @@ class AsyncLLM:
             self._fail_all(e)
 
     async def _handle_core_outputs(self, out: Any) -> None:
-        outputs, error = self.engine.process_core_outputs(out)
+        """A message's outputs detokenized and delivered ``OUTPUT_PROC_CHUNK_SIZE`` at a time, the loop
+        free to write what is ready between chunks (vLLM's output handler)."""
         now = time.monotonic()
-        for start in range(0, len(outputs), OUTPUT_PROC_CHUNK_SIZE):
+        error = None
+        for start in range(0, max(1, len(out.outputs)), OUTPUT_PROC_CHUNK_SIZE):
             if start:
-                await asyncio.sleep(0)  # let the loop write what is ready before the next chunk
-            for o in outputs[start : start + OUTPUT_PROC_CHUNK_SIZE]:
+                await asyncio.sleep(0)
+            outputs, error = self.engine.process_core_outputs(out, start, start + OUTPUT_PROC_CHUNK_SIZE)
+            for o in outputs:
                 stream = self._take_output(o, now)
                 if stream is not None:
                     stream.collector.put_nowait(o)

@@ -284,13 +284,18 @@ class Engine:
             raise RuntimeError(error)
         return outputs
 
-    def process_core_outputs(self, out: "CoreOutputs") -> tuple[list[RequestOutput], str | None]:
-        """One message of a core in its own process: its ``RequestOutput``s, and the error of a step
-        the core reports failed (whose requests are dropped here; the outputs are the step's before)."""
-        outputs = self._process(out.outputs)
-        if out.error is not None:
+    def process_core_outputs(self, out: "CoreOutputs", start: int = 0, stop: int | None = None
+                             ) -> tuple[list[RequestOutput], str | None]:
+        """One message of a core in its own process (its outputs ``[start:stop]``, for a caller that
+        takes them in chunks): their ``RequestOutput``s, and, with the message's last chunk, the error
+        of a step the core reports failed (whose requests are dropped here; the outputs are the step's
+        before)."""
+        outputs = self._process(out.outputs[start:stop] if start or stop is not None else out.outputs)
+        last = stop is None or stop >= len(out.outputs)
+        if last and out.error is not None:
             self.output_processor.drop(out.failed_request_ids)
-        return outputs, out.error
+            return outputs, out.error
+        return outputs, None
 
     def _process(self, core_outputs: list[CoreOutput]) -> list[RequestOutput]:
         outputs, stopped = self.output_processor.process(core_outputs)
