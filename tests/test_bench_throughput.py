@@ -62,6 +62,30 @@ def test_decode_weight_bytes_tied_and_untied():
     assert read == total == (100 * 8 + 64) * 4
 
 
+def test_decode_roofline_reads_the_routed_experts_a_batch_goes_to():
+    """A MoE model's decode roofline counts the routed experts the batch is expected to touch (uniform
+    routing, ``traffic.expected_experts_touched``), not all of them; the experts' bytes come from the
+    blocks' ``experts`` modules (two layers of 8 experts, top-2, here)."""
+    from types import SimpleNamespace
+
+    from kvserve.models.qwen3_next import SparseMoeBlock
+    from kvserve.tools.traffic import expected_experts_touched
+
+    cfg = SimpleNamespace(num_experts_per_tok=2, hidden_size=16, num_experts=8, moe_intermediate_size=4,
+                          shared_expert_intermediate_size=4)
+    model = torch.nn.Sequential(SparseMoeBlock(cfg, True), SparseMoeBlock(cfg, True), torch.nn.Linear(16, 16))
+    e, k, xb = tp.routed_expert_bytes(model)
+    assert (e, k, xb) == (8, 2, 2 * 8 * 3 * 16 * 4 * 4)  # 2 layers x 8 experts x (2I H + H I) fp32 numbers
+    assert tp.routed_expert_bytes(torch.nn.Linear(4, 4)) == (0, 0, 0)
+    steps = [(3, 1e-3, 10)] * 4  # decode-only steps of batch 3 at context 10
+    w = 100_000
+    dense = tp.decode_stats(steps, 1e9, w, 8)
+    moe = tp.decode_stats(steps, 1e9, w, 8, {"num_experts": e, "top_k": k, "bytes": xb})
+    assert dense["decode_weight_bytes"] == w
+    assert moe["decode_weight_bytes"] == w - xb + round(xb * expected_experts_touched(8, 2, 3) / 8)
+    assert moe["decode_roofline_ms"] == pytest.approx((moe["decode_weight_bytes"] + 10 * 8) / 1e9 * 1e3)
+
+
 def test_copy_bandwidth_cpu():
     bw = tp.measure_copy_bandwidth("cpu", nbytes=4 << 20, iters=2)
     assert bw["bytes"] == 4 << 20 and bw["bytes_per_s"] > 1e8 and bw["GBps"] == bw["bytes_per_s"] / 1e9

@@ -272,3 +272,67 @@ def test_module_needs_no_torch():
     src = Path(__file__).parents[1] / "kvserve" / "tools" / "traffic.py"
     res = subprocess.run([sys.executable, "-c", code, str(src)], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
+
+
+# ---- mixture of experts: a step reads the experts its tokens go to --------------------------------
+def test_expected_experts_touched_matches_uniform_routing_by_sampling():
+    """E (1 - (1 - k/E)^T) against the mean number of distinct experts T tokens pick, each its k
+    uniformly without repetition (20,000 draws: the sample mean's standard error is < 0.02 here)."""
+    import random
+
+    from kvserve.tools.traffic import expected_experts_touched
+
+    assert expected_experts_touched(256, 8, 0) == 0.0 and expected_experts_touched(256, 8, 1) == pytest.approx(8)
+    assert expected_experts_touched(256, 8, 8192) == pytest.approx(256)
+    rng = random.Random(0)
+    for e, k, t in ((16, 2, 5), (64, 8, 3), (256, 8, 32)):
+        draws = 20_000
+        mean = sum(len({x for _ in range(t) for x in rng.sample(range(e), k)}) for _ in range(draws)) / draws
+        assert abs(mean - expected_experts_touched(e, k, t)) < 0.1, (e, k, t, mean)
+
+
+MOE_CONFIG = {  # a tiny Qwen3.5-MoE-shaped text config: 4 layers (1 full attention), 8 experts, top-2
+    "model_type": "qwen3_5_moe_text", "num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 1000, "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
+    "full_attention_interval": 4, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32, "tie_word_embeddings": False,
+}
+
+
+def test_moe_shape_reads_the_experts_a_step_goes_to():
+    from kvserve.tools.traffic import expected_experts_touched
+
+    s = shape_from_config(MOE_CONFIG, "moe")
+    per_layer = 8 * 3 * 64 * 32  # routed experts of one layer (the router and the shared expert apart)
+    assert (s.num_experts, s.experts_per_token, s.expert_params) == (8, 2, 4 * per_layer)
+    assert s.expert_bytes == 2 * s.expert_params and s.weight_bytes == 2 * s.num_params
+    rest = s.weight_bytes - s.expert_bytes
+    assert s.step_weight_bytes(1) == rest + s.expert_bytes * 2 // 8
+    assert s.step_weight_bytes(3) == rest + round(s.expert_bytes * expected_experts_touched(8, 2, 3) / 8)
+    assert s.active_params == s.num_params - s.expert_params * 6 / 8
+    r = traffic(s, 100, 10, 3, prefill_chunk=64)  # chunks of 64 and 36 tokens: nearly every expert each
+    assert r.bf16.prefill.weights == s.step_weight_bytes(64) + s.step_weight_bytes(36)
+    assert r.bf16.decode_mean.weights == r.bf16.decode_last.weights == s.step_weight_bytes(3)
+    assert r.compute_s(r.bf16.decode_mean) == pytest.approx(2 * s.active_params * 3 / r.flops)
+    dense = shape_from_config({**MOE_CONFIG, "num_experts": 0, "intermediate_size": 128}, "dense")
+    assert dense.num_experts == 0 and dense.step_weight_bytes(1) == dense.weight_bytes
+
+
+def test_moe_checkpoint_counts_its_routed_experts_bytes(tmp_path):
+    """From a checkpoint's safetensors: the routed experts' tensors (per expert or stacked), not the
+    shared expert's, are the experts' share of the bytes."""
+    import torch
+    from safetensors.torch import save_file
+
+    (tmp_path / "config.json").write_text(json.dumps(MOE_CONFIG))
+    t = {"model.layers.0.mlp.experts.0.gate_proj.weight": torch.zeros(32, 64, dtype=torch.bfloat16),
+         "model.layers.0.mlp.experts.1.down_proj.weight": torch.zeros(64, 32, dtype=torch.float32),  # counted as bf16
+         "model.layers.1.mlp.experts.gate_up_proj": torch.zeros(8, 64, 64, dtype=torch.bfloat16),
+         "model.layers.0.mlp.shared_expert.gate_proj.weight": torch.zeros(32, 64, dtype=torch.bfloat16),
+         "model.layers.0.mlp.gate.weight": torch.zeros(8, 64, dtype=torch.bfloat16),
+         "lm_head.weight": torch.zeros(1000, 64, dtype=torch.bfloat16)}
+    save_file(t, str(tmp_path / "model.safetensors"))
+    s = model_shape(str(tmp_path))
+    assert s.expert_bytes == 2 * (32 * 64 + 64 * 32 + 8 * 64 * 64)
+    assert s.weight_bytes == s.expert_bytes + 2 * (32 * 64 + 8 * 64 + 1000 * 64)

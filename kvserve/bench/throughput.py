@@ -212,6 +212,20 @@ def decode_weight_bytes(model: Any) -> tuple[int, int]:
     return total, total - emb
 
 
+def routed_expert_bytes(model: Any) -> tuple[int, int, int]:
+    """(experts a layer, experts a token, bytes of every layer's routed experts) of a mixture-of-experts
+    model (its blocks have ``top_k`` and ``experts``; dense, NVFP4 or FP8 experts alike); zeros when
+    it has none."""
+    num_experts = top_k = nbytes = 0
+    for m in model.modules():
+        experts = getattr(m, "experts", None)
+        if experts is None or not hasattr(m, "top_k") or not hasattr(experts, "num_experts"):
+            continue
+        num_experts, top_k = experts.num_experts, m.top_k
+        nbytes += sum(t.numel() * t.element_size() for t in (*experts.parameters(), *experts.buffers()))
+    return num_experts, top_k, nbytes
+
+
 def kv_bytes_per_token(engine: Any) -> int:
     """K and V bytes of one token over all attention layers, in the engine's cache dtype."""
     spec = getattr(engine.runner, "kv_spec", None)
@@ -287,6 +301,7 @@ def engine_info(engine: Any) -> dict[str, Any]:
         "cudagraph_capture_sizes": list(rc.cudagraph_capture_sizes) if not rc.enforce_eager else [],
         "weight_bytes": total,
         "decode_weight_bytes": read,
+        "routed_experts": dict(zip(("num_experts", "top_k", "bytes"), routed_expert_bytes(engine.runner.model))),
         "kv_bytes_per_token": kv_bytes_per_token(engine),
     }
     return info
@@ -338,7 +353,8 @@ _RUN_COUNTER = [0]
 
 def run_requests(engine: Any, requests: list[BenchRequest], *, temperature: float = 1.0, top_p: float = 1.0,
                  detokenize: bool = True, copy_bandwidth: float | None = None,
-                 weight_bytes: int | None = None, kv_token_bytes: int | None = None) -> dict[str, Any]:
+                 weight_bytes: int | None = None, kv_token_bytes: int | None = None,
+                 routed_experts: dict[str, int] | None = None) -> dict[str, Any]:
     """Run ``requests`` to completion on ``engine`` (all added at t0); metrics as in the docstring."""
     from kvserve.engine.sampling import RequestOutputKind, SamplingParams
 
@@ -433,13 +449,15 @@ def run_requests(engine: Any, requests: list[BenchRequest], *, temperature: floa
     for name, vals in (("ttft", ttft), ("tpot", tpot), ("itl", itl)):
         for k, v in _percentiles(vals).items():
             res[f"{k}_{name}_ms"] = v
-    res.update(decode_stats(decode_steps, copy_bandwidth, weight_bytes, kv_token_bytes))
+    res.update(decode_stats(decode_steps, copy_bandwidth, weight_bytes, kv_token_bytes, routed_experts))
     return res
 
 
 def decode_stats(decode_steps: list[tuple[int, float, int]], copy_bandwidth: float | None,
-                 weight_bytes: int | None, kv_token_bytes: int | None) -> dict[str, Any]:
-    """Decode-only steps at the largest batch: measured step time vs the roofline."""
+                 weight_bytes: int | None, kv_token_bytes: int | None,
+                 routed_experts: dict[str, int] | None = None) -> dict[str, Any]:
+    """Decode-only steps at the largest batch: measured step time vs the roofline (weights + KV over
+    the copy bandwidth; of the routed experts, those the batch's tokens are expected to go to)."""
     out: dict[str, Any] = {"decode_steps_total": len(decode_steps)}
     if not decode_steps:
         out.update(decode_batch=0, decode_steps=0, decode_step_ms_mean=None, decode_step_ms_median=None,
@@ -460,6 +478,11 @@ def decode_stats(decode_steps: list[tuple[int, float, int]], copy_bandwidth: flo
     )
     if copy_bandwidth and weight_bytes is not None and kv_token_bytes is not None:
         kv = ctx * kv_token_bytes
+        if routed_experts and routed_experts.get("num_experts"):
+            from kvserve.tools.traffic import expected_experts_touched
+
+            e, xb = routed_experts["num_experts"], routed_experts["bytes"]
+            weight_bytes = weight_bytes - xb + round(xb * expected_experts_touched(e, routed_experts["top_k"], big) / e)
         roof = (weight_bytes + kv) / copy_bandwidth
         out.update(
             decode_kv_bytes_mean=kv,
@@ -511,7 +534,7 @@ def run_grid(engine_kwargs: dict[str, Any], kv_dtypes: list[str], concurrencies:
                                      top_p=top_p, detokenize=detokenize)
                     res = run_requests(engine, reqs, temperature=temperature, top_p=top_p, detokenize=detokenize,
                                        copy_bandwidth=bw, weight_bytes=info["decode_weight_bytes"],
-                                       kv_token_bytes=info["kv_bytes_per_token"])
+                                       kv_token_bytes=info["kv_bytes_per_token"], routed_experts=info["routed_experts"])
                     point = {"kv_cache_dtype": kv, "kv_cache_dtype_resolved": info["kv_cache_dtype"],
                              "concurrency": info["max_num_seqs"], **wl.describe(), **res,
                              "engine_build_s": build_s, "warmup_s": warm_s, "warmup_requests": min(num_warmup, len(reqs)),

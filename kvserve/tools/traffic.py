@@ -14,12 +14,15 @@ C = prefill chunk (default I), T = query tile (default 128), W = weight bytes on
                       once-per-chunk lower bound, chunk j reading min((j+1)C, I) tokens)
     decode step s   = N * (I + s) * kv_tok read, N * kv_tok written, s = 1..O
                       (mean over the steps: context I + (O + 1) / 2; last step: I + O)
-    weights         = W per forward step (each prefill chunk, each decode step), shared by the batch
+    weights         = W per forward step (each prefill chunk, each decode step), shared by the batch;
+                      with routed experts (E a layer, k a token) a step of T tokens reads the
+                      experts they go to, E (1 - (1 - k/E)^T) a layer expected for uniform routing
     state           = recurrent state of the linear-attention layers, read + written once per
                       sequence per decode step ((2 * chunks - 1) times per prefill)
     KV share        = (KV written + KV read) / (weights + KV + state)
     memory time     = bytes / bandwidth (default 4.1e12 B/s, DESIGN.md section 6)
-    compute time    = 2 * params read * tokens / flops (matmuls only; default 750e12, bf16)
+    compute time    = 2 * params a token uses * tokens / flops (matmuls only; default 750e12, bf16;
+                      with routed experts: k of E)
     roofline time   = max(memory time, compute time); fp8 vs bf16 change = (fp8 - bf16) / bf16
 
 Not counted: activations (counting them would only lower the KV share, so the share is an upper
@@ -28,8 +31,7 @@ token although it runs on one (about 5% too much prefill compute for the 27B). T
 request alone in its steps. The engine's first output token comes from the prefill and its last
 is never fed back (O - 1 decode steps); the table counts O steps, a 1/O overestimate of the
 decode KV. W and the parameter count skip the input embedding table when it is untied (a gather
-reads only the prompt's rows), the vision tower and the MTP head; mixture-of-experts layers count
-every expert (an upper bound).
+reads only the prompt's rows), the vision tower and the MTP head.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import struct
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -64,9 +67,39 @@ class ModelShape:
     weight_bytes: int  # bytes of those parameters as served
     weight_dtype: str = "bf16"
     state_bytes: int = 0  # recurrent state per sequence, all linear-attention layers
+    # mixture of experts: routed experts a layer, how many a token goes to, and the parameters and bytes
+    # of all routed experts (all MoE layers; the router and the shared expert not included)
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_params: int = 0
+    expert_bytes: int = 0
 
     def kv_bytes_per_token(self, elem_bytes: int) -> int:
         return 2 * self.num_kv_heads * self.head_dim * elem_bytes * self.num_attention_layers
+
+    def step_weight_bytes(self, tokens: int) -> int:
+        """Weight bytes a forward step over ``tokens`` tokens reads: all of them but the routed
+        experts none of its tokens goes to (``expected_experts_touched``)."""
+        if not self.num_experts:
+            return self.weight_bytes
+        touched = expected_experts_touched(self.num_experts, self.experts_per_token, tokens)
+        return self.weight_bytes - self.expert_bytes + round(self.expert_bytes * touched / self.num_experts)
+
+    @property
+    def active_params(self) -> float:
+        """Parameters one token is multiplied by: all but the routed experts it does not go to."""
+        if not self.num_experts:
+            return self.num_params
+        return self.num_params - self.expert_params * (1 - self.experts_per_token / self.num_experts)
+
+
+def expected_experts_touched(num_experts: int, top_k: int, tokens: int) -> float:
+    """Distinct experts of one layer that ``tokens`` tokens go to, expected when each token picks its
+    ``top_k`` uniformly (random-weight benchmarks; a router trained for balance comes close, a skewed
+    one touches fewer): E (1 - (1 - k / E)^T)."""
+    if tokens <= 0:
+        return 0.0
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
 
 
 # Qwen3.5/3.6-27B text model (hybrid-gdn-models.md 1.9): 48 GDN + 16 gated full-attention layers,
@@ -94,9 +127,11 @@ def _need(cfg: dict[str, Any], key: str) -> Any:
     return cfg[key]
 
 
-def shape_from_config(cfg: dict[str, Any], name: str = "config", weight_bytes: int | None = None) -> ModelShape:
+def shape_from_config(cfg: dict[str, Any], name: str = "config", weight_bytes: int | None = None,
+                      expert_bytes: int | None = None) -> ModelShape:
     """A ModelShape from an HF config dict (nested ``text_config`` read first); parameters and
-    weight bytes estimated from the shapes unless ``weight_bytes`` is given."""
+    weight bytes estimated from the shapes unless ``weight_bytes`` (and the routed experts' share,
+    ``expert_bytes``) is given."""
     t = cfg.get("text_config") or cfg
     if "kv_lora_rank" in t:
         raise ValueError(f"{name}: multi-head latent attention (kv_lora_rank) is not modelled")
@@ -130,24 +165,38 @@ def shape_from_config(cfg: dict[str, Any], name: str = "config", weight_bytes: i
         state = conv * (K - 1) * wb + nv * dk * dv * ssm_bytes
     E = t.get("num_experts") or t.get("num_local_experts") or 0
     dense = 3 * h * t.get("intermediate_size", 0)
-    moe = E * 3 * h * t.get("moe_intermediate_size", t.get("intermediate_size", 0)) + E * h
+    routed = E * 3 * h * t.get("moe_intermediate_size", t.get("intermediate_size", 0))  # one layer's experts
+    moe = routed + E * h  # + the router
     if t.get("shared_expert_intermediate_size"):
         moe += 3 * h * t["shared_expert_intermediate_size"] + h
     step, dense_only = t.get("decoder_sparse_step", 1) or 1, set(t.get("mlp_only_layers") or [])
     params = h  # final norm
+    n_moe = 0
     for i in range(L):
         is_moe = E and (i + 1) % step == 0 and i not in dense_only
+        n_moe += bool(is_moe)
         params += (attn if is_kv[i] else lin) + (moe if is_moe else dense) + 2 * h
     tied = t.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
     params += V * h  # lm_head (the embedding table itself when tied); an untied embedding is gathered
     n_state = sum(not k for k in is_kv)
-    return ModelShape(name, L, sum(is_kv), Hkv, D, params, params * wb if weight_bytes is None else weight_bytes,
-                      "bf16" if weight_bytes is None else "checkpoint", state * n_state)
+    expert_params = n_moe * routed
+    if weight_bytes is None:
+        total, experts = params * wb, expert_params * wb
+    else:  # the checkpoint's bytes; its routed experts' share as its tensors give it, else by parameters
+        total, experts = weight_bytes, (expert_bytes if expert_bytes is not None
+                                        else round(weight_bytes * expert_params / params))
+    return ModelShape(name, L, sum(is_kv), Hkv, D, params, total, "bf16" if weight_bytes is None else "checkpoint",
+                      state * n_state, E if n_moe else 0, (t.get("num_experts_per_tok") or 0) if n_moe else 0,
+                      expert_params, experts if n_moe else 0)
 
 
-def _safetensors_bytes(folder: Path) -> int | None:
-    """Bytes of the tensors a forward step reads, from the safetensors headers (fp32 counted as
-    bf16, as ``--dtype auto`` serves it); None when the folder has no safetensors."""
+_ROUTED_EXPERT = re.compile(r"\.experts\.(\d+\.|gate_up_proj|down_proj)")  # not the shared expert
+
+
+def _safetensors_bytes(folder: Path) -> tuple[int, int] | None:
+    """Bytes of the tensors a forward step reads and of its routed experts among them, from the
+    safetensors headers (fp32 counted as bf16, as ``--dtype auto`` serves it); None when the folder
+    has no safetensors."""
     tensors: dict[str, dict[str, Any]] = {}
     for f in sorted(folder.glob("*.safetensors")):
         with open(f, "rb") as fh:
@@ -157,13 +206,15 @@ def _safetensors_bytes(folder: Path) -> int | None:
     if not tensors:
         return None
     untied = any("lm_head" in k for k in tensors)
-    total = 0
+    total = experts = 0
     for k, v in tensors.items():
         if k.startswith("mtp.") or "visual" in k or "vision" in k or (untied and "embed_tokens" in k):
             continue
         nbytes = v["data_offsets"][1] - v["data_offsets"][0]
-        total += nbytes // 2 if v["dtype"] == "F32" else nbytes
-    return total
+        nbytes = nbytes // 2 if v["dtype"] == "F32" else nbytes
+        total += nbytes
+        experts += nbytes if _ROUTED_EXPERT.search(k) else 0
+    return total, experts
 
 
 def model_shape(model: str) -> ModelShape:
@@ -177,7 +228,8 @@ def model_shape(model: str) -> ModelShape:
             cfg = json.loads(cfg_path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"{str(cfg_path)!r} is not a JSON config: {e}") from None
-        return shape_from_config(cfg, model, _safetensors_bytes(cfg_path.parent))
+        counted = _safetensors_bytes(cfg_path.parent)
+        return shape_from_config(cfg, model, *(counted or (None, None)))
     key = model.lower().rsplit("/", 1)[-1]
     key = _ALIASES.get(key, key)
     if key in PRESETS:
@@ -241,7 +293,7 @@ class TrafficReport:
         return s.total / self.bandwidth
 
     def compute_s(self, s: StepBytes) -> float:
-        return 2 * self.shape.num_params * s.tokens / self.flops
+        return 2 * self.shape.active_params * s.tokens / self.flops
 
     def time_s(self, s: StepBytes) -> float:
         """Roofline: the slower of memory and matmul compute."""
@@ -314,7 +366,11 @@ def traffic(shape: ModelShape, input_len: int, output_len: int, concurrency: int
     chunks = math.ceil(I / chunk)
     read_tokens = prefill_read_tokens(I, chunk, tile)
     resident_tokens = math.ceil((I + O) / block_size) * block_size
-    W, S = shape.weight_bytes, shape.state_bytes
+    S = shape.state_bytes
+    # weights: each prefill chunk (one request alone, its chunk's tokens) and each decode step (N tokens)
+    # read the step's weights; with routed experts, those of the experts its tokens go to
+    W_prefill = sum(shape.step_weight_bytes(min(chunk, I - j * chunk)) for j in range(chunks))
+    W_decode = shape.step_weight_bytes(N)
 
     n_state_layers = shape.num_layers - shape.num_attention_layers
 
@@ -330,10 +386,10 @@ def traffic(shape: ModelShape, input_len: int, output_len: int, concurrency: int
             request_decode_kv_read=(O * I + O * (O + 1) // 2) * kv,
             request_kv_resident=resident_tokens * kv,
             snapshot_interval=interval,
-            prefill=StepBytes(chunks * W, I * kv, read_tokens * kv, (2 * chunks - 1) * S, I),
+            prefill=StepBytes(W_prefill, I * kv, read_tokens * kv, (2 * chunks - 1) * S, I),
             # mean context I + (O + 1) / 2; kv is even, so the product is an integer
-            decode_mean=StepBytes(W, N * kv, N * (2 * I + O + 1) * kv // 2, 2 * N * S, N),
-            decode_last=StepBytes(W, N * kv, N * (I + O) * kv, 2 * N * S, N),
+            decode_mean=StepBytes(W_decode, N * kv, N * (2 * I + O + 1) * kv // 2, 2 * N * S, N),
+            decode_last=StepBytes(W_decode, N * kv, N * (I + O) * kv, 2 * N * S, N),
         )
 
     return TrafficReport(shape, I, O, N, kv_cache_dtype, selected, float(bandwidth), float(flops),
@@ -397,7 +453,10 @@ def format_report(r: TrafficReport) -> str:
     w = max(len(x[0]) for x in rows)
     head = (f"{s.name}: {s.num_layers} layers, {s.num_attention_layers} with paged KV, {s.num_kv_heads} KV heads"
             f" x {s.head_dim}; {s.num_params / 1e9:.2f}e9 params, {_b(s.weight_bytes)} {s.weight_dtype} weights"
-            f" read per step" + (f"; recurrent state {_b(s.state_bytes)}/sequence" if s.state_bytes else ""))
+            f" in all" + (f"; recurrent state {_b(s.state_bytes)}/sequence" if s.state_bytes else "")
+            + (f"; {s.num_experts} routed experts a layer, {s.experts_per_token} a token ({_b(s.expert_bytes)} of the"
+               f" weights: a step reads the experts its tokens go to, {_b(s.step_weight_bytes(1))} at 1 token, "
+               f"{_b(s.step_weight_bytes(r.concurrency))} at {r.concurrency})" if s.num_experts else ""))
     sub = (f"ISL {r.input_len}, OSL {r.output_len}, concurrency {r.concurrency}, kv-cache-dtype "
            f"{r.kv_cache_dtype} (* = {r.selected}), prefill chunk {r.prefill_chunk}, query tile {r.q_tile}")
     lines = [head, sub, "", f"{'':<{w}}  {mark['bf16']:>12}  {mark['fp8']:>12}  {'fp8/bf16':>9}"]
