@@ -84,6 +84,15 @@ def test_decode_roofline_reads_the_routed_experts_a_batch_goes_to():
     assert dense["decode_weight_bytes"] == w
     assert moe["decode_weight_bytes"] == w - xb + round(xb * expected_experts_touched(8, 2, 3) / 8)
     assert moe["decode_roofline_ms"] == pytest.approx((moe["decode_weight_bytes"] + 10 * 8) / 1e9 * 1e3)
+    # a hybrid: each sequence's recurrent state is read and written once a step
+    layer = SimpleNamespace(state_shapes=lambda: ((6, 3), (2, 4, 5)))
+    runner = SimpleNamespace(gdn_layers=[layer, layer], config=SimpleNamespace(
+        model_config=SimpleNamespace(dtype=torch.bfloat16)))
+    per_seq = tp.state_bytes_per_sequence(runner)
+    assert per_seq == 2 * (6 * 3 * 2 + 2 * 4 * 5 * 4) and tp.state_bytes_per_sequence(SimpleNamespace()) == 0
+    hybrid = tp.decode_stats(steps, 1e9, w, 8, state_bytes=per_seq)
+    assert hybrid["decode_state_bytes"] == 2 * 3 * per_seq
+    assert hybrid["decode_roofline_ms"] == pytest.approx((w + 10 * 8 + 2 * 3 * per_seq) / 1e9 * 1e3)
 
 
 def test_copy_bandwidth_cpu():

@@ -226,6 +226,18 @@ def routed_expert_bytes(model: Any) -> tuple[int, int, int]:
     return num_experts, top_k, nbytes
 
 
+def state_bytes_per_sequence(runner: Any) -> int:
+    """Recurrent-state bytes of one sequence over all GDN layers (conv state in the model dtype, SSM
+    state float32): what a decode step reads and writes per sequence of a hybrid model (0 otherwise)."""
+    import torch
+
+    total = 0
+    for layer in getattr(runner, "gdn_layers", None) or []:
+        (c, w), (hv, k, v) = layer.state_shapes()
+        total += c * w * torch.empty((), dtype=runner.config.model_config.dtype).element_size() + hv * k * v * 4
+    return total
+
+
 def kv_bytes_per_token(engine: Any) -> int:
     """K and V bytes of one token over all attention layers, in the engine's cache dtype."""
     spec = getattr(engine.runner, "kv_spec", None)
@@ -302,6 +314,7 @@ def engine_info(engine: Any) -> dict[str, Any]:
         "weight_bytes": total,
         "decode_weight_bytes": read,
         "routed_experts": dict(zip(("num_experts", "top_k", "bytes"), routed_expert_bytes(engine.runner.model))),
+        "state_bytes_per_sequence": state_bytes_per_sequence(engine.runner),
         "kv_bytes_per_token": kv_bytes_per_token(engine),
     }
     return info
@@ -354,7 +367,7 @@ _RUN_COUNTER = [0]
 def run_requests(engine: Any, requests: list[BenchRequest], *, temperature: float = 1.0, top_p: float = 1.0,
                  detokenize: bool = True, copy_bandwidth: float | None = None,
                  weight_bytes: int | None = None, kv_token_bytes: int | None = None,
-                 routed_experts: dict[str, int] | None = None) -> dict[str, Any]:
+                 routed_experts: dict[str, int] | None = None, state_bytes: int = 0) -> dict[str, Any]:
     """Run ``requests`` to completion on ``engine`` (all added at t0); metrics as in the docstring."""
     from kvserve.engine.sampling import RequestOutputKind, SamplingParams
 
@@ -449,15 +462,16 @@ def run_requests(engine: Any, requests: list[BenchRequest], *, temperature: floa
     for name, vals in (("ttft", ttft), ("tpot", tpot), ("itl", itl)):
         for k, v in _percentiles(vals).items():
             res[f"{k}_{name}_ms"] = v
-    res.update(decode_stats(decode_steps, copy_bandwidth, weight_bytes, kv_token_bytes, routed_experts))
+    res.update(decode_stats(decode_steps, copy_bandwidth, weight_bytes, kv_token_bytes, routed_experts, state_bytes))
     return res
 
 
 def decode_stats(decode_steps: list[tuple[int, float, int]], copy_bandwidth: float | None,
                  weight_bytes: int | None, kv_token_bytes: int | None,
-                 routed_experts: dict[str, int] | None = None) -> dict[str, Any]:
-    """Decode-only steps at the largest batch: measured step time vs the roofline (weights + KV over
-    the copy bandwidth; of the routed experts, those the batch's tokens are expected to go to)."""
+                 routed_experts: dict[str, int] | None = None, state_bytes: int = 0) -> dict[str, Any]:
+    """Decode-only steps at the largest batch: measured step time vs the roofline (weights + KV +
+    each sequence's recurrent state read and written, over the copy bandwidth; of the routed experts,
+    those the batch's tokens are expected to go to)."""
     out: dict[str, Any] = {"decode_steps_total": len(decode_steps)}
     if not decode_steps:
         out.update(decode_batch=0, decode_steps=0, decode_step_ms_mean=None, decode_step_ms_median=None,
@@ -483,9 +497,11 @@ def decode_stats(decode_steps: list[tuple[int, float, int]], copy_bandwidth: flo
 
             e, xb = routed_experts["num_experts"], routed_experts["bytes"]
             weight_bytes = weight_bytes - xb + round(xb * expected_experts_touched(e, routed_experts["top_k"], big) / e)
-        roof = (weight_bytes + kv) / copy_bandwidth
+        state = 2 * big * state_bytes  # a hybrid's recurrent state, read and written once a step
+        roof = (weight_bytes + kv + state) / copy_bandwidth
         out.update(
             decode_kv_bytes_mean=kv,
+            decode_state_bytes=state,
             decode_weight_bytes=weight_bytes,
             decode_roofline_ms=roof * 1e3,
             # roofline / measured: 1.0 would be running at copy bandwidth
@@ -534,7 +550,8 @@ def run_grid(engine_kwargs: dict[str, Any], kv_dtypes: list[str], concurrencies:
                                      top_p=top_p, detokenize=detokenize)
                     res = run_requests(engine, reqs, temperature=temperature, top_p=top_p, detokenize=detokenize,
                                        copy_bandwidth=bw, weight_bytes=info["decode_weight_bytes"],
-                                       kv_token_bytes=info["kv_bytes_per_token"], routed_experts=info["routed_experts"])
+                                       kv_token_bytes=info["kv_bytes_per_token"], routed_experts=info["routed_experts"],
+                                       state_bytes=info["state_bytes_per_sequence"])
                     point = {"kv_cache_dtype": kv, "kv_cache_dtype_resolved": info["kv_cache_dtype"],
                              "concurrency": info["max_num_seqs"], **wl.describe(), **res,
                              "engine_build_s": build_s, "warmup_s": warm_s, "warmup_requests": min(num_warmup, len(reqs)),
