@@ -145,7 +145,8 @@ class SamplingParams:
 
     def clone(self) -> "SamplingParams":
         """An independent copy: its lists and sets are copied (their elements, ids and strings, are
-        immutable); 10x cheaper than ``copy.deepcopy``, which every admitted request paid twice."""
+        immutable); ~6x cheaper than ``copy.deepcopy`` (cProfile, 39 vs 227 us), which every admitted
+        request paid twice."""
         new = copy.copy(self)
         for name, value in vars(self).items():
             if isinstance(value, (list, set, dict)):
