@@ -354,31 +354,3 @@ def test_fp8_moe_export_loads_fp8_experts_where_the_fp8_gemm_runs(fp8_moe_export
             got = m(x.to(DEV), top.to(DEV), top_w.to(DEV)).double().cpu()
         truth, bound = _reference(stored, x, top, top_w, torch.float32, monkeypatch)
         assert bool(((got - truth).abs() <= bound).all())
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
-@pytest.mark.parametrize("tokens", [1, 33])
-def test_fp8_experts_forward_is_graph_capturable(tokens):
-    """The whole FP8 routed-expert forward (``moe_align`` on the device, both activation quantisers and
-    grouped GEMMs) captures in a CUDA graph, and the replay gives the eager output bit for bit with
-    the routing changed in place between (as NVFP4Experts', tests/test_quant_experts.py)."""
-    from kvserve.layers.quant_experts import FP8Experts
-
-    e, hidden, inter, k = 16, 128, 64, 4
-    gen = torch.Generator(device="cuda").manual_seed(tokens)
-    m = FP8Experts(e, hidden, inter, device="cuda")
-    m.init_dummy(gen)
-    m.finalize()
-    x = (torch.randn(tokens, hidden, generator=gen, device="cuda") * 0.5).to(torch.bfloat16)
-    top_w, top_idx = torch.softmax(torch.randn(tokens, e, generator=gen, device="cuda"), -1).topk(k, dim=-1)
-    top_w = top_w.to(torch.bfloat16)
-    with torch.no_grad():
-        m(x, top_idx, top_w)  # compiles outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = m(x, top_idx, top_w)
-        for seed in (1, 2):
-            top_idx.copy_(_routing(tokens, e, k, seed).to("cuda"))
-            out.fill_(float("nan"))
-            graph.replay()
-            assert torch.equal(out, m(x, top_idx, top_w))

@@ -161,18 +161,20 @@ def _fp32_gemm_bound(x, top, top_w, gu_w, dn_w) -> torch.Tensor:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 @pytest.mark.parametrize("tokens", [1, 33])
-def test_nvfp4_experts_forward_is_graph_capturable(tokens):
-    """The whole routed-expert forward (``moe_align`` on the device, both grouped GEMMs) captures in a
-    CUDA graph (nothing reads the expert counts on the host: ``torch.bincount`` would, for its size)
-    and the replay gives the eager output bit for bit, with the routing changed in place between."""
-    from kvserve.layers.quant_experts import NVFP4Experts
+@pytest.mark.parametrize("kind,x_scale", [("NVFP4Experts", 1.0), ("FP8Experts", 0.5)])
+def test_quantized_experts_forward_is_graph_capturable(tokens, kind, x_scale):
+    """The whole routed-expert forward of NVFP4 and FP8 experts (``moe_align`` on the device, the FP8
+    activation quantisers, both grouped GEMMs) captures in a CUDA graph (nothing reads the expert
+    counts on the host: ``torch.bincount`` would, for its size) and the replay gives the eager output
+    bit for bit, with the routing changed in place between."""
+    from kvserve.layers import quant_experts
 
     e, hidden, inter, k = 16, 128, 64, 4
     gen = torch.Generator(device="cuda").manual_seed(tokens)
-    q = NVFP4Experts(e, hidden, inter, device="cuda")
+    q = getattr(quant_experts, kind)(e, hidden, inter, device="cuda")
     q.init_dummy(gen)
     q.finalize()
-    x = torch.randn(tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
+    x = (torch.randn(tokens, hidden, generator=gen, device="cuda") * x_scale).to(torch.bfloat16)
     top_w, top_idx = torch.softmax(torch.randn(tokens, e, generator=gen, device="cuda"), -1).topk(k, dim=-1)
     top_w = top_w.to(torch.bfloat16)
     with torch.no_grad():

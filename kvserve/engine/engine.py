@@ -290,8 +290,8 @@ class Engine:
         takes them in chunks): their ``RequestOutput``s, and, with the message's last chunk, the error
         of a step the core reports failed (whose requests are dropped here; the outputs are the step's
         before)."""
-        outputs = self._process(out.outputs[start:stop] if start or stop is not None else out.outputs)
         last = stop is None or stop >= len(out.outputs)
+        outputs = self._process(out.outputs if not start and last else out.outputs[start:stop])
         if last and out.error is not None:
             self.output_processor.drop(out.failed_request_ids)
             return outputs, out.error

@@ -1,51 +1,15 @@
 """The grouped GEMM of FP8 routed experts (issue 18; ``layers/quant_experts.FP8Experts``): vLLM's
 ModelOpt FP8 MoE arithmetic (``fused_moe_kernel`` with ``use_fp8_w8a8`` and per-tensor scales) over
-the row blocks of ``layers/moe.moe_align``, as the dense ``triton_moe.grouped_matmul``: one launch,
-no host sync. Operands are float8_e4m3fn (the activations quantized beforehand with the static input
+the row blocks of ``layers/moe.moe_align``: the dense ``triton_moe`` kernel with its per-tensor
+scale epilogue (one launch, no host sync); this module checks the fp8 operands. Operands are float8_e4m3fn (the activations quantized beforehand with the static input
 scale, ``triton_layers.fp8_static_quant``); ``tl.dot`` multiplies fp8 by fp8 into fp32, and the
 accumulator is scaled once, ``acc * a_scale * w_scale[e]``, then rounded to the output dtype."""
 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from kvserve.kernels.triton_moe import check_routed_rows
-
-
-@triton.jit
-def _fp8_grouped_kernel(
-    x_ptr, w_ptr, ws_ptr, as_ptr, y_ptr, ids_ptr, expert_ptr, rw_ptr,
-    N, K, num_experts, stride_xm, stride_we, stride_wn, stride_ym,
-    ROW_DIV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ROW_WEIGHT: tl.constexpr,
-):
-    """Program (n, b): block b of BLOCK_M routed rows of expert ``expert[b]`` (>= num_experts: empty),
-    columns [n * BLOCK_N, ...): y[row] = (xq[row // ROW_DIV] @ Wq_e^T) * a_scale * w_scale[e], the
-    fp8 products summed in fp32, one rounding to y's dtype."""
-    b = tl.program_id(1)
-    e = tl.load(expert_ptr + b)
-    if e < num_experts:
-        ids = tl.load(ids_ptr + b * BLOCK_M + tl.arange(0, BLOCK_M))
-        m_ok = ids >= 0
-        x_rows = tl.where(m_ok, ids // ROW_DIV, 0).to(tl.int64)
-        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = rn < N
-        rk = tl.arange(0, BLOCK_K)
-        x_tile = x_ptr + x_rows[:, None] * stride_xm + rk[None, :]  # [BLOCK_M, BLOCK_K]
-        w_tile = w_ptr + e.to(tl.int64) * stride_we + rn.to(tl.int64)[None, :] * stride_wn + rk[:, None]  # [K, N]
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k_ok = k0 + rk < K
-            xv = tl.load(x_tile + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            wv = tl.load(w_tile + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            acc = tl.dot(xv, wv, acc)
-        acc = acc * tl.load(as_ptr) * tl.load(ws_ptr + e)  # vLLM's order: accumulator * a_scale * b_scale
-        if ROW_WEIGHT:  # then the routing weight (vLLM's MUL_ROUTED_WEIGHT)
-            acc = acc * tl.load(rw_ptr + tl.where(m_ok, ids, 0), mask=m_ok, other=0.0).to(tl.float32)[:, None]
-        y = y_ptr + tl.where(m_ok, ids, 0).to(tl.int64)[:, None] * stride_ym + rn[None, :]
-        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+from kvserve.kernels.triton_moe import MoETiles, check_routed_rows, launch_grouped
 
 
 def fp8_grouped_matmul(xq: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, a_scale: torch.Tensor,
@@ -76,15 +40,7 @@ def fp8_grouped_matmul(xq: torch.Tensor, weight: torch.Tensor, w_scale: torch.Te
         xq = xq.contiguous()
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
-    if block_expert.numel() == 0:
-        return out
-    block_n = 128 if n >= 128 and block_m <= 32 else 64
-    grid = (triton.cdiv(n, block_n), block_expert.numel())
-    _fp8_grouped_kernel[grid](
-        xq, weight, w_scale.contiguous(), a_scale, out, ids, block_expert, out if row_weight is None else row_weight,
-        n, k, num_experts, xq.stride(0), weight.stride(0), weight.stride(1), out.stride(0),
-        ROW_DIV=rows_per_x, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128 if k >= 128 else 64,
-        ROW_WEIGHT=row_weight is not None,
-        num_warps=4 if block_m <= 32 else 8, num_stages=3,
-    )
-    return out
+    tiles = MoETiles(block_n=128 if n >= 128 and block_m <= 32 else 64, block_k=128 if k >= 128 else 64,
+                     num_warps=4 if block_m <= 32 else 8, num_stages=3)
+    return launch_grouped(xq, weight, ids, block_expert, block_m, rows_per_x, out, row_weight, tiles,
+                          a_scale, w_scale.contiguous())

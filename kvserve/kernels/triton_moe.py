@@ -50,14 +50,15 @@ def check_routed_rows(name: str, ids: torch.Tensor, block_expert: torch.Tensor, 
 
 @triton.jit
 def _grouped_matmul_kernel(
-    x_ptr, w_ptr, y_ptr, ids_ptr, expert_ptr, rw_ptr,
+    x_ptr, w_ptr, y_ptr, ids_ptr, expert_ptr, rw_ptr, as_ptr, ws_ptr,
     N, K, num_experts, stride_xm, stride_we, stride_wn, stride_ym,
     ROW_DIV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    IEEE: tl.constexpr, ROW_WEIGHT: tl.constexpr,
+    IEEE: tl.constexpr, ROW_WEIGHT: tl.constexpr, SCALED: tl.constexpr,
 ):
     """Program (n, b): block b of BLOCK_M routed rows of expert ``expert[b]`` (>= num_experts: empty),
-    columns [n * BLOCK_N, ...): y[row] = x[row // ROW_DIV] @ W_e^T (times rw[row] with ROW_WEIGHT),
-    fp32 accumulation, y's dtype (float32 operands: IEEE products, not TF32)."""
+    columns [n * BLOCK_N, ...): y[row] = x[row // ROW_DIV] @ W_e^T, fp32 accumulation (float32
+    operands: IEEE products, not TF32), then with SCALED times a_scale * w_scale[e] (fp8 operands,
+    vLLM's order), with ROW_WEIGHT times rw[row], one rounding to y's dtype."""
     b = tl.program_id(1)
     e = tl.load(expert_ptr + b)
     if e < num_experts:
@@ -78,6 +79,8 @@ def _grouped_matmul_kernel(
                 acc = tl.dot(xv, wv, acc, input_precision="ieee")
             else:
                 acc = tl.dot(xv, wv, acc)
+        if SCALED:
+            acc = acc * tl.load(as_ptr) * tl.load(ws_ptr + e)
         if ROW_WEIGHT:
             acc = acc * tl.load(rw_ptr + tl.where(m_ok, ids, 0), mask=m_ok, other=0.0).to(tl.float32)[:, None]
         y = y_ptr + tl.where(m_ok, ids, 0).to(tl.int64)[:, None] * stride_ym + rn[None, :]
@@ -102,15 +105,26 @@ def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, blo
         x = x.contiguous()
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
+    return launch_grouped(x, weight, ids, block_expert, block_m, rows_per_x, out, row_weight,
+                          tiles or default_tiles(block_m, n, x.dtype))
+
+
+def launch_grouped(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, block_expert: torch.Tensor,
+                   block_m: int, rows_per_x: int, out: torch.Tensor, row_weight: torch.Tensor | None,
+                   tiles: MoETiles, a_scale: torch.Tensor | None = None,
+                   w_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The grouped GEMM's launch over checked operands (``grouped_matmul``; ``triton_fp8_moe`` with
+    its per-tensor scales ``a_scale`` (one value) and ``w_scale`` [E])."""
     if block_expert.numel() == 0:
         return out
-    t = tiles or default_tiles(block_m, n, x.dtype)
-    grid = (triton.cdiv(n, t.block_n), block_expert.numel())
+    num_experts, n, k = weight.shape
+    grid = (triton.cdiv(n, tiles.block_n), block_expert.numel())
     _grouped_matmul_kernel[grid](
-        x, weight, out, ids, block_expert, out if row_weight is None else row_weight, n, k, num_experts,
+        x, weight, out, ids, block_expert, out if row_weight is None else row_weight,
+        out if a_scale is None else a_scale, out if w_scale is None else w_scale, n, k, num_experts,
         x.stride(0), weight.stride(0), weight.stride(1), out.stride(0),
-        ROW_DIV=rows_per_x, BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, IEEE=x.dtype == torch.float32,
-        ROW_WEIGHT=row_weight is not None,
-        num_warps=t.num_warps, num_stages=t.num_stages,
+        ROW_DIV=rows_per_x, BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        IEEE=x.dtype == torch.float32, ROW_WEIGHT=row_weight is not None, SCALED=a_scale is not None,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return out
