@@ -37,6 +37,8 @@ if TYPE_CHECKING:
 class NVFP4Experts(nn.Module):
     """Routed SwiGLU experts on NVFP4 weights (module docstring)."""
 
+    fused = True  # the weights exist only in the kernel's layout: always the device path
+
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, device: torch.device | str | None = None):
         super().__init__()
         for features, what in ((hidden_size, "hidden_size"), (intermediate_size, "moe_intermediate_size")):
@@ -87,6 +89,8 @@ class NVFP4Experts(nn.Module):
 
 class FP8Experts(nn.Module):
     """Routed SwiGLU experts on FP8 weights and activations, per-tensor scales (module docstring)."""
+
+    fused = True  # always the grouped FP8 GEMM (no torch loop over FP8 experts)
 
     GEMMS = ("gate_up_proj", "down_proj")
 

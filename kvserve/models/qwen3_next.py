@@ -26,7 +26,6 @@ from kvserve.layers.gdn import GatedDeltaNet
 from kvserve.layers.mlp import SwiGLUMLP
 from kvserve.layers.moe import routed_swiglu
 from kvserve.layers.norm import ZeroCenteredRMSNorm
-from kvserve.layers.quant_experts import FP8Experts, NVFP4Experts
 from kvserve.layers.rotary import RotaryEmbedding, rope_parameters
 from kvserve.loader.weights import WeightLoader, WeightLoadError
 from kvserve.models.causal_lm import CausalLM
@@ -229,8 +228,8 @@ class SparseMoeBlock(nn.Module):
 
     @property
     def experts_on_device(self) -> bool:
-        """Whether the routed experts run the device path: fused grouped GEMMs, NVFP4 or FP8 weights."""
-        return getattr(self.experts, "fused", False) is True or isinstance(self.experts, (NVFP4Experts, FP8Experts))
+        """Whether the routed experts run the device path (``fused``: grouped GEMMs; NVFP4 and FP8 experts always)."""
+        return self.experts.fused is True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shared = self.shared_expert(x)
