@@ -11,8 +11,12 @@ logprobs, then async scheduling without). Three engines per model and dtype:
   GEMMs of n rows vs the same rows padded to the graph size (a GEMM's bits may depend on its row
   count: on CPU 3 rows vs 4 already differ in the last bit), so they are bounded, not exact.
 
-Qwen3.5-MoE (routed experts count their tokens on the host) runs eagerly with graphs requested.
-Skipped without CUDA."""
+Qwen3.5-MoE in bf16 is captured too (its routed experts are fused: aligned on the device, grouped
+GEMMs, no host sync); its graphs-vs-eager check goes through the float64 reference only (a router
+near-tie may pick another expert for a padded GEMM's other rounding, so equal tokens are not owed).
+In float32 the experts keep the torch loop (host counts): such models run eagerly with graphs
+requested and give transformers' float64 greedy tokens through the same workload (issue 18's GPU
+exactness). Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -23,7 +27,6 @@ import pytest
 import torch
 
 from hf_reference import hf_greedy_reference, hf_low_precision_reference
-from kvserve import LLM, SamplingParams
 from test_hybrid_graphs import (
     assert_close_logprobs,
     build_engine,
@@ -50,10 +53,12 @@ def hybrid_folders(make_tiny_model) -> dict[str, Path]:
     return {
         "qwen3_5": make_tiny_model("qwen3_5", seed=3),
         "qwen3_next": make_tiny_model("qwen3_next", seed=3, mlp_only_layers=[0, 1, 2, 3]),
+        "qwen3_5_moe": make_tiny_model("qwen3_5_moe", seed=3),
     }
 
 
-@pytest.mark.parametrize("arch,dtype", [("qwen3_5", "bfloat16"), ("qwen3_5", "float32"), ("qwen3_next", "bfloat16")])
+@pytest.mark.parametrize("arch,dtype", [("qwen3_5", "bfloat16"), ("qwen3_5", "float32"), ("qwen3_next", "bfloat16"),
+                                        ("qwen3_5_moe", "bfloat16")])
 def test_hybrid_decode_graphs_equal_eager(hybrid_folders, arch, dtype, kvlog):
     """The three engines of the module docstring on the GPU memory budget path (the scratch row
     allocated and logged), the workload run serially with logprobs, then async without."""
@@ -66,6 +71,8 @@ def test_hybrid_decode_graphs_equal_eager(hybrid_folders, arch, dtype, kvlog):
         engine = build_engine(folder, mode, **kw)
         runner = engine.runner
         assert runner.backend == "triton"
+        moe = [m for m in runner.model.modules() if hasattr(m, "experts_on_device")]
+        assert all(m.experts_on_device for m in moe) and (len(moe) > 0) is arch.endswith("moe")
         if mode == "eager":
             assert runner.graphs is None and runner.state_scratch_row is None
         else:
@@ -87,8 +94,9 @@ def test_hybrid_decode_graphs_equal_eager(hybrid_folders, arch, dtype, kvlog):
         gc.collect()  # the replay spy's closures hold the runner in a cycle
         torch.cuda.empty_cache()
     assert results["graphs"] == results["emulated"]
-    for got, want in zip(results["graphs"], results["eager"]):
-        assert_close_logprobs(got, want, LOGPROB_BOUND[dtype])
+    if not arch.endswith("moe"):  # MoE: both against the reference below (module docstring)
+        for got, want in zip(results["graphs"], results["eager"]):
+            assert_close_logprobs(got, want, LOGPROB_BOUND[dtype])
     # both within the bound of transformers' float64 run (tests/hf_reference.py): float32 its greedy
     # tokens and 5x its float32 spread; bf16 4x its bf16 spread along its path
     ids = [rid for _, rid, _, _ in arrivals]
@@ -105,19 +113,31 @@ def test_hybrid_decode_graphs_equal_eager(hybrid_folders, arch, dtype, kvlog):
         assert log.restored > 0 and log.scratch_written > 0, mode
 
 
-def test_moe_hybrid_runs_eagerly_with_graphs_requested(make_tiny_model, kvlog):
-    """Qwen3.5-MoE: no graphs (logged, ``enforce_eager`` set so reports say so), no scratch row,
-    the tokens of an ``enforce_eager`` run."""
-    folder = make_tiny_model("qwen3_5_moe", seed=3)
-    prompts = [{"prompt_token_ids": p} for _, _, p, _ in hybrid_workload()[:5]]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    out = {}
-    for eager in (False, True):
-        llm = LLM(str(folder), dtype="bfloat16", max_num_seqs=8, max_model_len=128, kv_cache_memory=1 << 24,
-                  enforce_eager=eager)
-        runner = llm.llm_engine.runner
-        assert runner.graphs is None and runner.state_scratch_row is None
-        assert llm.llm_engine.config.runner_config.enforce_eager
-        out[eager] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert kvlog.count("CUDA graphs are off for Qwen3_5MoeForCausalLM: its routed experts (MoE)") == 1
-    assert out[False] == out[True]
+# seeds whose reference path has no near-tie on this workload (qwen3_5_moe seed 3 has one: gap 1.4e-3
+# <= bound 1.5e-3, a router near-tie; checked on the CPU)
+@pytest.mark.parametrize("arch,seed", [("qwen3_5_moe", 4), ("qwen3_next", 3)])
+def test_float32_moe_hybrid_runs_eagerly_and_equals_transformers(make_tiny_model, arch, seed, kvlog):
+    """float32 MoE hybrids (Qwen3-Next with MoE in every layer) on the GPU: graphs requested, run
+    eagerly (logged, ``enforce_eager`` set, no scratch row, the torch expert loop); the workload's
+    chunked prefills, preemption and prefix hits give transformers' float64 greedy tokens (0 diverged)
+    and logprobs within 5x its float32 spread, serial and async alike; no block or state slot left."""
+    folder = make_tiny_model(arch, seed=seed)
+    arrivals = hybrid_workload()
+    kvlog.clear()
+    engine = build_engine(folder, "graphs", dtype="float32", kv_cache_memory=None, async_scheduling=True)
+    runner = engine.runner
+    assert runner.graphs is None and runner.state_scratch_row is None
+    assert engine.config.runner_config.enforce_eager
+    assert not any(getattr(m, "experts_on_device", False) for m in runner.model.modules())
+    name = runner.config.model_config.architecture
+    assert kvlog.count(f"CUDA graphs are off for {name}: its routed experts (MoE)") == 1
+    sync = drive(engine, arrivals, "sync-", logprobs=True)
+    assert engine.scheduler.num_preemptions > 0
+    asyn = drive(engine, arrivals, "async-", logprobs=False)
+    assert {r: o[0] for r, o in asyn.items()} == {r: o[0] for r, o in sync.items()}
+    assert sync["f"][2] == sync["g"][2] == 32  # prefix hits on the snapshot at 32
+    engine.kv_manager.check_invariants()
+    assert runner.state_pool is not None and runner.state_pool.num_free == 8
+    ids = [rid for _, rid, _, _ in arrivals]
+    ref = hf_greedy_reference(folder, [p for _, _, p, _ in arrivals], tuple(n for _, _, _, n in arrivals))
+    ref.check([sync[r][0] for r in ids], [sync[r][1] for r in ids])
