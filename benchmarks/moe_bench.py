@@ -29,8 +29,9 @@ calls (``common.median_ms``). Errors are max |got - want| / max |want|.
     python3 benchmarks/moe_bench.py --smoke --out /tmp/m.json  # CPU, Triton interpreter: tiny shapes, fp32
 
 ``--sweep [N]`` also times the two GEMMs under the first N launches of ``sweep_grid`` (row block,
-column and K tiles, warps, stages; each output checked): the tuning run behind a table of launches
-per shape, as vLLM keeps per-device fused-MoE configs.
+column and K tiles, warps, stages; each output checked); ``--write-config DIR`` then writes the
+fastest launch per token count as the device's table (``kvserve/kernels/moe_configs``: vLLM's
+per-device fused-MoE config files), which the engine's routed experts and point 1 above then take.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import json
 import os
 import sys
 import time
@@ -176,6 +178,7 @@ def bench(moe: dict, tokens: list[int], budget_s: float, doc: dict, save, sweep:
 def _gemms(blocks: list, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor, sweep: int = 0) -> dict:
     """1 and 4: the two grouped GEMMs over the blocks' expert weights (rotated), and their output
     (the timed buffers, weighted and summed over the top-k) against the torch loop on copy 0."""
+    from kvserve.kernels.moe_configs import config_dtype, tuned_launch
     from kvserve.kernels.triton_moe import grouped_matmul
     from kvserve.layers.moe import expert_block_rows, moe_align
 
@@ -183,11 +186,13 @@ def _gemms(blocks: list, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Te
     e, i = experts[0].num_experts, experts[0].intermediate
     t, h = x.shape
     k = top_idx.shape[1]
-    block_m = expert_block_rows(t * k, e)  # (as routed_swiglu)
+    launch = tuned_launch(e, i, t, x.device, config_dtype(DTYPE))  # (as Experts.forward: the device's table)
+    block_m = launch.block_m if launch else expert_block_rows(t * k, e)  # (as routed_swiglu)
+    tiles = launch.tiles if launch else None
     ids, block_expert = moe_align(top_idx, e, block_m)
     hb = torch.empty(t * k, 2 * i, dtype=DTYPE, device=DEV)
     db = torch.empty(t * k, h, dtype=DTYPE, device=DEV)
-    grouped_matmul(x, experts[0].gate_up_proj, ids, block_expert, block_m, k, hb)
+    grouped_matmul(x, experts[0].gate_up_proj, ids, block_expert, block_m, k, hb, tiles=tiles)
     if DTYPE in (torch.bfloat16, torch.float16):  # (as routed_swiglu)
         from kvserve.kernels.triton_layers import silu_and_mul
 
@@ -196,16 +201,17 @@ def _gemms(blocks: list, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Te
         gate, up = hb.chunk(2, dim=-1)
         a = F.silu(gate) * up
     rw = top_w.reshape(-1).contiguous()  # the routing weights, applied in the down GEMM (as routed_swiglu)
-    grouped_matmul(a, experts[0].down_proj, ids, block_expert, block_m, 1, db, rw)
+    grouped_matmul(a, experts[0].down_proj, ids, block_expert, block_m, 1, db, rw, tiles=tiles)
     got = db.view(t, k, h).sum(dim=1)
     experts[0].fused = False
     want = experts[0](x, top_idx, top_w)
 
     def call(ex) -> None:
-        grouped_matmul(x, ex.gate_up_proj, ids, block_expert, block_m, k, hb)
-        grouped_matmul(a, ex.down_proj, ids, block_expert, block_m, 1, db, rw)
+        grouped_matmul(x, ex.gate_up_proj, ids, block_expert, block_m, k, hb, tiles=tiles)
+        grouped_matmul(a, ex.down_proj, ids, block_expert, block_m, 1, db, rw, tiles=tiles)
 
     row = {"experts_touched": int(top_idx.unique().numel()), "block_m": block_m,
+           "launch": launch.to_json() if launch else "default",
            "grouped_gemms_ms": _time_ms([lambda ex=ex: call(ex) for ex in experts]),
            "gemms_rel_err": _rel_err(got, want)}
     if sweep:
@@ -255,6 +261,30 @@ def _sweep(experts: list, x: torch.Tensor, a: torch.Tensor, top_idx: torch.Tenso
             continue
         out.append({"block_m": bm, **dataclasses.asdict(tiles), "ms": ms, "rel_err": err})
     return [r for r in out if "ms" in r] or out
+
+
+def write_config(doc: dict, folder: Path) -> Path:
+    """The sweep's fastest launch per token count as a table (``kernels/moe_configs``: vLLM's file name
+    and keys, plus ``triton_version``) in ``folder``; returns the file."""
+    import triton
+
+    from kvserve.kernels.moe_configs import MoELaunch, config_dtype, config_file_name
+    from kvserve.kernels.triton_moe import MoETiles
+
+    moe = doc["moe"]
+    table: dict[str, object] = {"triton_version": triton.__version__}
+    for row in doc["rows"]:
+        best = row.get("sweep_best")
+        if best and "ms" in best:
+            tiles = MoETiles(best["block_n"], best["block_k"], best["num_warps"], best["num_stages"])
+            table[str(row["tokens"])] = MoELaunch(best["block_m"], tiles).to_json()
+    if len(table) == 1:
+        raise SystemExit("--write-config: no swept token count to write")
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / config_file_name(moe["experts"], moe["intermediate"], doc["device"], config_dtype(DTYPE))
+    path.write_text(json.dumps(table, indent=4) + "\n")
+    print(f"wrote {path} ({len(table) - 1} token counts)", flush=True)
+    return path
 
 
 def _dense(rows: int, wgus: list, wdns: list, gen) -> float:
@@ -307,8 +337,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="CPU: tiny shapes (8 experts, hidden 64, top-2), fp32")
     ap.add_argument("--sweep", nargs="?", type=int, const=10**6, default=0, metavar="N",
                     help="also time the grouped GEMMs under the first N launches of sweep_grid (all without N)")
+    ap.add_argument("--write-config", default=None, metavar="DIR",
+                    help="with --sweep: write the fastest launch per token count as the device's table in DIR "
+                         "(kvserve/kernels/configs/moe to ship it; vLLM's file name and format)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
+    if a.write_config and not a.sweep:
+        ap.error("--write-config needs --sweep (the table is the sweep's fastest launch per token count)")
     argv = list(sys.argv[1:] if argv is None else argv)
     moe, tokens = MOE, [int(t) for t in a.tokens.split(",") if t]
     if a.smoke:
@@ -328,6 +363,9 @@ def main(argv: list[str] | None = None) -> int:
         common.write_json(out, doc)
 
     bench(moe, tokens, a.time_budget_s, doc, save, a.sweep)
+    if a.write_config:
+        doc["config_file"] = str(write_config(doc, Path(a.write_config)))
+        save()
     save()
     print(f"wrote {out}")
     parts = [f"{r['tokens']} tok {r['copy_bw_fraction']:.2f} / {r['fraction_of_dense']:.2f}" for r in doc["rows"]]

@@ -84,8 +84,17 @@ def test_quant_smoke_times_the_w4a16_gemm_and_checks_it_against_the_dequantized_
 
 
 def test_moe_smoke_times_the_grouped_gemms_and_checks_them_and_the_block_against_the_loop(tmp_path):
-    doc, out = run_smoke("moe_bench", tmp_path, "--sweep", "2")
+    doc, out = run_smoke("moe_bench", tmp_path, "--sweep", "2", "--write-config", str(tmp_path / "tables"))
     cfg, rows = doc["moe"], doc["rows"]
+    # --write-config: the sweep's fastest launch per token count, as the table the engine reads
+    from kvserve.kernels.moe_configs import parse_table
+
+    table_file = Path(doc["config_file"])
+    assert table_file.parent == tmp_path / "tables" and table_file.name == "E=8,N=32,device_name=cpu,dtype=float32.json"
+    table = parse_table(json.loads(table_file.read_text()), str(table_file))
+    assert {t: (v.block_m, v.tiles.num_stages) for t, v in table.items()} == {
+        r["tokens"]: (r["sweep_best"]["block_m"], r["sweep_best"]["num_stages"]) for r in rows}
+    assert all(r["launch"] == "default" for r in rows)  # off CUDA no table is read
     for r in rows:  # the tuning sweep: two other launches, each checked against the torch loop like the default
         assert [(s["block_m"], s["num_stages"]) for s in r["sweep"]] == [(16, 3), (16, 4)]
         assert all(s["ms"] > 0 and s["rel_err"] < 1e-5 for s in r["sweep"])
@@ -121,6 +130,9 @@ def test_moe_smoke_times_the_grouped_gemms_and_checks_them_and_the_block_against
     # --time-budget-s: no point starts after it; the JSON says the run was cut short
     doc, out = run_smoke("moe_bench", tmp_path, "--time-budget-s", "0")
     assert doc["rows"] == [] and doc["cut_short"] is True and "(cut short)" in out
+    r = subprocess.run([sys.executable, "benchmarks/moe_bench.py", "--smoke", "--write-config", str(tmp_path)], cwd=REPO,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--write-config needs --sweep" in r.stderr
 
 
 def test_quant_sweep_grid_on_an_sm90_device(monkeypatch):

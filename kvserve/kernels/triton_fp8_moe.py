@@ -14,14 +14,16 @@ from kvserve.kernels.triton_moe import MoETiles, check_routed_rows, launch_group
 
 def fp8_grouped_matmul(xq: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, a_scale: torch.Tensor,
                        ids: torch.Tensor, block_expert: torch.Tensor, block_m: int, rows_per_x: int,
-                       out: torch.Tensor, row_weight: torch.Tensor | None = None) -> torch.Tensor:
+                       out: torch.Tensor, row_weight: torch.Tensor | None = None,
+                       tiles: MoETiles | None = None) -> torch.Tensor:
     """Routed FP8 experts: ``out[r] = (xq[r // rows_per_x] @ weight[e]^T) * a_scale * w_scale[e]`` for
     every row r listed in ``ids`` (``moe_align``'s layout: int32, blocks of ``block_m`` rows of one
     expert, -1 padding; ``block_expert`` the expert of each block, E for an empty one). ``xq`` [M, K]
     and ``weight`` [E, N, K] float8_e4m3fn, ``w_scale`` fp32 [E], ``a_scale`` a one-element fp32
     tensor (the static input scale ``xq`` was quantized with), all on one device; ``out`` [rows, N]
     of any float dtype; rows not listed are left as they are; ``row_weight`` (one per routed row)
-    multiplies each row's fp32 result last. One launch, no host sync."""
+    multiplies each row's fp32 result last. One launch, no host sync. ``tiles`` overrides the defaults
+    (a tuned table's launch, ``kernels/moe_configs``)."""
     num_experts, n, k = weight.shape if weight.dim() == 3 else (0, 0, -1)
     if xq.dim() != 2 or xq.shape[1] != k or xq.dtype != torch.float8_e4m3fn or weight.dtype != torch.float8_e4m3fn:
         raise ValueError(f"fp8_grouped_matmul: xq {tuple(xq.shape)} {xq.dtype} and experts {tuple(weight.shape)} "
@@ -40,7 +42,7 @@ def fp8_grouped_matmul(xq: torch.Tensor, weight: torch.Tensor, w_scale: torch.Te
         xq = xq.contiguous()
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
-    tiles = MoETiles(block_n=128 if n >= 128 and block_m <= 32 else 64, block_k=128 if k >= 128 else 64,
-                     num_warps=4 if block_m <= 32 else 8, num_stages=3)
+    tiles = tiles or MoETiles(block_n=128 if n >= 128 and block_m <= 32 else 64, block_k=128 if k >= 128 else 64,
+                              num_warps=4 if block_m <= 32 else 8, num_stages=3)
     return launch_grouped(xq, weight, ids, block_expert, block_m, rows_per_x, out, row_weight, tiles,
                           a_scale, w_scale.contiguous())

@@ -4,10 +4,13 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from kvserve.kernels.moe_configs import MoELaunch
 
 
 def expert_block_rows(rows: int, num_experts: int) -> int:
@@ -40,21 +43,25 @@ def moe_align(top_idx: torch.Tensor, num_experts: int, block_m: int) -> tuple[to
     return ids, block_expert
 
 
-# matmul(a, "gate_up_proj" | "down_proj", ids, block_expert, block_m, rows_per_x, out[, row_weight]): a grouped
-# GEMM; row_weight (one per routed row) multiplies each row's fp32 result before its rounding
+# matmul(a, "gate_up_proj" | "down_proj", ids, block_expert, block_m, rows_per_x, out[, row_weight], tiles=...): a
+# grouped GEMM; row_weight (one per routed row) multiplies each row's fp32 result before its rounding; tiles (a
+# table's MoETiles or None) is the dense and FP8 kernels' launch, which the NVFP4 kernel does not take
 GroupedMatmul = Callable[..., torch.Tensor]
 
 
 def routed_swiglu(x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor, num_experts: int,
-                  intermediate: int, hidden: int, matmul: GroupedMatmul) -> torch.Tensor:
+                  intermediate: int, hidden: int, matmul: GroupedMatmul, launch: MoELaunch | None = None) -> torch.Tensor:
     """The dense ``Experts``' arithmetic over grouped GEMMs: per (token, slot) row
     ``down(silu(gate) * up)`` of its expert, times the routing weight (in the down GEMM, before its
-    rounding, as vLLM's ``MUL_ROUTED_WEIGHT``), summed over the top-k."""
+    rounding, as vLLM's ``MUL_ROUTED_WEIGHT``), summed over the top-k. ``launch`` (a tuned table's
+    entry, ``kernels/moe_configs``) sets the row block and both GEMMs' tiles; else
+    ``expert_block_rows`` and each kernel's defaults."""
     t, k = top_idx.shape
-    block_m = expert_block_rows(t * k, num_experts)
+    block_m = launch.block_m if launch is not None else expert_block_rows(t * k, num_experts)
+    tiles = launch.tiles if launch is not None else None
     ids, block_expert = moe_align(top_idx, num_experts, block_m)
     h = torch.empty((t * k, 2 * intermediate), dtype=x.dtype, device=x.device)
-    matmul(x, "gate_up_proj", ids, block_expert, block_m, k, h)
+    matmul(x, "gate_up_proj", ids, block_expert, block_m, k, h, tiles=tiles)
     if h.dtype in (torch.bfloat16, torch.float16):  # one kernel, torch's rounding (kernels/triton_layers)
         from kvserve.kernels.triton_layers import silu_and_mul
 
@@ -63,5 +70,5 @@ def routed_swiglu(x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor, n
         gate, up = h.chunk(2, dim=-1)
         a = F.silu(gate) * up
     d = torch.empty((t * k, hidden), dtype=x.dtype, device=x.device)
-    matmul(a, "down_proj", ids, block_expert, block_m, 1, d, top_w.reshape(-1).contiguous())  # weighted rows
+    matmul(a, "down_proj", ids, block_expert, block_m, 1, d, top_w.reshape(-1).contiguous(), tiles=tiles)  # weighted
     return d.view(t, k, hidden).sum(dim=1)

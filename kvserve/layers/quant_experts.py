@@ -31,6 +31,7 @@ from kvserve.quant.nvfp4 import E4M3_MAX, quantize_fp8_static
 from kvserve.quant.nvfp4 import NVFP4_GROUP_SIZE as GROUP
 
 if TYPE_CHECKING:
+    from kvserve.kernels.triton_moe import MoETiles
     from kvserve.kernels.triton_w4a16 import W4A16Weight
 
 
@@ -73,7 +74,7 @@ class NVFP4Experts(nn.Module):
 
         assert self.finalized, "NVFP4Experts.finalize() runs after loading"
         return routed_swiglu(x, top_idx, top_w, self.num_experts, self.intermediate, self.hidden,
-                             lambda a, name, *rows: w4a16_grouped_matmul(a, self.packed[name], *rows))
+                             lambda a, name, *rows, tiles: w4a16_grouped_matmul(a, self.packed[name], *rows))
 
     def init_dummy(self, gen: torch.Generator) -> None:
         """``--load-format dummy``: random codes, block scales in [0.5, 1), weights within ~1e-3
@@ -131,14 +132,18 @@ class FP8Experts(nn.Module):
         self.finalized = True
 
     def forward(self, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor:
+        from kvserve.kernels.moe_configs import FP8_W8A8, tuned_launch
+
         assert self.finalized, "FP8Experts.finalize() runs after loading"
-        return routed_swiglu(x, top_idx, top_w, self.num_experts, self.intermediate, self.hidden, self._matmul)
+        launch = tuned_launch(self.num_experts, self.intermediate, x.shape[0], x.device, FP8_W8A8)
+        return routed_swiglu(x, top_idx, top_w, self.num_experts, self.intermediate, self.hidden, self._matmul, launch)
 
     def _matmul(self, a: torch.Tensor, name: str, ids: torch.Tensor, block_expert: torch.Tensor, block_m: int,
-                rows_per_x: int, out: torch.Tensor, row_weight: torch.Tensor | None = None) -> torch.Tensor:
+                rows_per_x: int, out: torch.Tensor, row_weight: torch.Tensor | None = None,
+                tiles: MoETiles | None = None) -> torch.Tensor:
         """One GEMM of ``routed_swiglu``: ``a`` quantized with the GEMM's static input scale
         (``fp8(clamp(float32(a) * (1 / s_in), +-448))``, one Triton launch on CUDA, as ``FP8Linear``),
-        then the grouped FP8 GEMM."""
+        then the grouped FP8 GEMM (``tiles``: a tuned table's launch, else its defaults)."""
         from kvserve.kernels.triton_fp8_moe import fp8_grouped_matmul
 
         inv = getattr(self, f"{name}_inv_input_scale")
@@ -150,7 +155,7 @@ class FP8Experts(nn.Module):
             aq = quantize_fp8_static(a, inv)
         return fp8_grouped_matmul(aq, getattr(self, name), getattr(self, f"{name}_scale"),
                                   getattr(self, f"{name}_input_scale"), ids, block_expert, block_m, rows_per_x, out,
-                                  row_weight)
+                                  row_weight, tiles)
 
     def init_dummy(self, gen: torch.Generator) -> None:
         """``--load-format dummy``: random fp8 codes within +-448 at scale 1e-3 / 448 (weights within

@@ -176,8 +176,9 @@ class Experts(nn.Module):
     """Routed SwiGLU experts as 3-D tensors (transformers' layout): ``gate_up_proj`` [E, 2I, hidden]
     (gate rows first), ``down_proj`` [E, hidden, I]. Per-expert checkpoint tensors are copied in.
     ``fused`` (set by the runner for bf16 / fp16 on the triton backend): both GEMMs as grouped GEMMs
-    over rows aligned to their experts on the device (``kernels/triton_moe``, no host sync); else
-    the torch loop over experts below, the reference."""
+    over rows aligned to their experts on the device (``kernels/triton_moe``, no host sync; launches
+    from the device's tuned table, ``kernels/moe_configs``); else the torch loop over experts below,
+    the reference."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
@@ -189,10 +190,13 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor:
         if self.fused:
+            from kvserve.kernels.moe_configs import config_dtype, tuned_launch
             from kvserve.kernels.triton_moe import grouped_matmul
 
+            launch = tuned_launch(self.num_experts, self.intermediate, x.shape[0], x.device, config_dtype(x.dtype))
             return routed_swiglu(x, top_idx, top_w, self.num_experts, self.intermediate, x.shape[-1],
-                                 lambda a, name, *rows: grouped_matmul(a, getattr(self, name), *rows))
+                                 lambda a, name, *rows, tiles: grouped_matmul(a, getattr(self, name), *rows, tiles=tiles),
+                                 launch)
         out = torch.zeros_like(x)
         # token rows per expert, experts in ascending order (transformers' summation order)
         flat = top_idx.flatten()
