@@ -20,6 +20,8 @@ Per token count T (k = 8 routed rows a token):
    the host and cannot be captured: eager), outputs compared.
 4. The grouped GEMMs' own output (the down GEMM weighting its rows, summed over the top-k) against the
    torch loop of ``Experts`` (``fused = False``) on the same weights and routing.
+5. ``moe_align`` alone: its one Triton launch against its torch twin (~10 launches), ``align_ms`` /
+   ``align_torch_ms``.
 
 Times 1-3 on CUDA are GPU times of CUDA-graph replays over expert-weight copies that together pass
 3x the L2 even at one token (quant_bench's ``_time_ms``); the reference loop's is the median of eager
@@ -170,7 +172,7 @@ def bench(moe: dict, tokens: list[int], budget_s: float, doc: dict, save, sweep:
               f"{row['fraction_of_dense']:.2f} of dense ({row['dense_tflops']:.1f}, {dense_ms * 1e3:.1f} us); "
               f"block graph {row['block_device_graph_ms'] * 1e3:.1f} us, eager "
               f"{row['block_device_eager_ms'] * 1e3:.1f} us, torch loop {row['block_reference_eager_ms'] * 1e3:.1f} "
-              f"us; rel err GEMMs {row['gemms_rel_err']:.1e}, block {row['block_rel_err']:.1e} "
+              f"us; align {row['align_ms'] * 1e3:.1f} us (torch {row['align_torch_ms'] * 1e3:.1f}); rel err GEMMs {row['gemms_rel_err']:.1e}, block {row['block_rel_err']:.1e} "
               f"({row['block_routing_mismatch_tokens']} tokens routed apart)", flush=True)
         save()
 
@@ -210,8 +212,14 @@ def _gemms(blocks: list, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Te
         grouped_matmul(x, ex.gate_up_proj, ids, block_expert, block_m, k, hb, tiles=tiles)
         grouped_matmul(a, ex.down_proj, ids, block_expert, block_m, 1, db, rw, tiles=tiles)
 
+    from kvserve.kernels.triton_moe_align import moe_align_triton
+    from kvserve.layers.moe import moe_align_torch
+
     row = {"experts_touched": int(top_idx.unique().numel()), "block_m": block_m,
            "launch": launch.to_json() if launch else "default",
+           # the row alignment alone: one Triton launch (what the engine runs on CUDA) vs its torch twin
+           "align_ms": _time_ms([lambda: moe_align_triton(top_idx, e, block_m)]),
+           "align_torch_ms": _time_ms([lambda: moe_align_torch(top_idx, e, block_m)]),
            "grouped_gemms_ms": _time_ms([lambda ex=ex: call(ex) for ex in experts]),
            "gemms_rel_err": _rel_err(got, want)}
     if sweep:

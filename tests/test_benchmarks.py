@@ -117,7 +117,7 @@ def test_moe_smoke_times_the_grouped_gemms_and_checks_them_and_the_block_against
         assert r["fraction_of_dense"] == pytest.approx(r["dense_ms"] / r["grouped_gemms_ms"])
         assert r["grouped_tflops"] == pytest.approx(r["gemm_flops"] / r["grouped_gemms_ms"] / 1e9)
         for key in ("grouped_gemms_ms", "dense_ms", "block_device_graph_ms", "block_device_eager_ms",
-                    "block_reference_eager_ms"):
+                    "block_reference_eager_ms", "align_ms", "align_torch_ms"):
             assert r[key] > 0, key
         # fp32 on the CPU, IEEE products in the kernel (triton_moe's IEEE flag) and in the torch loop: the
         # two differ in summation order only, |error| <= gamma_n sum |products| with gamma_n ~ n 2^-24 =

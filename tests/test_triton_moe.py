@@ -155,3 +155,29 @@ def test_row_weight_scales_each_routed_row_before_its_rounding():
     assert torch.equal(weighted, plain * rw[:, None])
     with pytest.raises(ValueError, match=r"row_weight \(13,\)"):
         grouped_matmul(x, w, ids, block_expert, 16, k, weighted, rw[:13])
+
+
+@pytest.mark.parametrize("tokens,experts,k,block_m,chunk", [
+    (1, 8, 2, 16, None), (5, 256, 8, 16, None), (33, 16, 4, 16, None), (70, 8, 2, 64, None),
+    (37, 60, 8, 32, 64),  # 296 rows in 5 chunks of 64, 60 experts (not a power of two)
+    (40, 8, 2, 64, 32),   # 80 rows in 3 chunks of 32, every expert's rows spread over chunks
+])
+def test_moe_align_kernel_equals_the_torch_twin(tokens, experts, k, block_m, chunk, monkeypatch):
+    """``moe_align`` in one Triton launch against its torch twin on the same routing (skewed, some
+    experts empty): the same ids and block experts exactly, from int64 and int32 expert ids; the
+    outputs are allocated poisoned, so every entry must be written."""
+    from kvserve.kernels import triton_moe_align
+    from kvserve.layers.moe import moe_align_torch
+
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: real_empty(*a, **kw).fill_(-7))
+    gen = torch.Generator().manual_seed(tokens * experts)
+    logits = torch.randn(tokens, experts, generator=gen) + torch.linspace(3, -3, experts)
+    top = logits.topk(k, dim=-1).indices
+    want = moe_align_torch(top, experts, block_m)
+    for ids_dtype in (torch.int64, torch.int32):
+        got = triton_moe_align.moe_align_triton(top.to(DEV, ids_dtype), experts, block_m, chunk=chunk)
+        assert got[0].dtype == got[1].dtype == torch.int32
+        assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
+    with pytest.raises(ValueError, match="chunk 48, expected a power of two >= 32"):
+        triton_moe_align.moe_align_triton(top.to(DEV), experts, block_m, chunk=48)

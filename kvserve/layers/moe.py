@@ -24,7 +24,17 @@ def moe_align(top_idx: torch.Tensor, num_experts: int, block_m: int) -> tuple[to
     int32 [P] (-1 where a block is padding; an expert's rows ascending) and the expert of each block,
     int32 [P / block_m] (``num_experts`` for blocks past the last). P is the bound
     ``T k + E (block_m - 1)`` rounded up to ``block_m``, known without reading the counts, so nothing
-    waits on the host (vLLM's ``moe_align_block_size`` sizes its buffers the same way)."""
+    waits on the host (vLLM's ``moe_align_block_size`` sizes its buffers the same way). On CUDA one
+    Triton launch (``kernels/triton_moe_align``); elsewhere ``moe_align_torch``, its twin."""
+    if top_idx.is_cuda:
+        from kvserve.kernels.triton_moe_align import moe_align_triton
+
+        return moe_align_triton(top_idx, num_experts, block_m)
+    return moe_align_torch(top_idx, num_experts, block_m)
+
+
+def moe_align_torch(top_idx: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``moe_align`` in torch ops (~10 launches on a GPU; the Triton kernel's reference twin)."""
     flat = top_idx.reshape(-1)
     rows = flat.numel()
     total = -(-(rows + num_experts * (block_m - 1)) // block_m) * block_m
