@@ -3,8 +3,8 @@ for attention: Triton's compiler and bundled ptxas, ahead of time, in a subproce
 TRITON_INTERPRET). The interpreter checks their indexing; this checks what it cannot: that the
 one-launch ``moe_align`` (histogram, sort, barriers) lowers to Hopper code at its decode and prefill
 chunk sizes, that the grouped GEMM builds at its decode and prefill tiles, bf16 and fp8 (its fp8
-products on fp8 operands), and that the router and the gated add build with programmatic dependent
-launch, as the engine launches them on a GPU."""
+products on fp8 operands), and that all of them build with programmatic dependent launch, as the
+engine launches them on a GPU."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ align = {"top_ptr": "*i64", "ids_ptr": "*i32", "block_expert_ptr": "*i32", "scra
 for name, e, bm, chunk, warps in [("align-decode", 256, 16, 128, 1), ("align-prefill", 256, 64, 4096, 8)]:
     e_pad = triton.next_power_of_2(e + 1)
     build(name, triton_moe_align._moe_align_kernel,
-          dict(E=e, E_PAD=e_pad, BLOCK_M=bm, CHUNK=chunk, NB=max(16, min(128, 8192 // e_pad))), align, warps)
+          dict(E=e, E_PAD=e_pad, BLOCK_M=bm, CHUNK=chunk, NB=max(16, min(128, 8192 // e_pad)), PDL=True), align, warps)
 
 gemm = {"ids_ptr": "*i32", "expert_ptr": "*i32", "rw_ptr": "*fp32", "as_ptr": "*fp32", "ws_ptr": "*fp32"}
 for name, dtype, bm, t in [("gemm-decode-bf16", "bf16", 16, triton_moe.default_tiles(16, 1024, None)),
@@ -60,7 +60,7 @@ for name, dtype, bm, t in [("gemm-decode-bf16", "bf16", 16, triton_moe.default_t
     types = {**gemm, "x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "y_ptr": "*bf16"}
     build(name, triton_moe._grouped_matmul_kernel,
           dict(ROW_DIV=8, BLOCK_M=bm, BLOCK_N=t.block_n, BLOCK_K=t.block_k, IEEE=False, ROW_WEIGHT=True,
-               SCALED=dtype != "bf16"), types, t.num_warps, t.num_stages)
+               SCALED=dtype != "bf16", PDL=True), types, t.num_warps, t.num_stages)
 
 build("router", triton_router._softmax_topk_kernel,
       dict(BLOCK_T=8, BLOCK_E=256, BLOCK_K=8, RENORMALIZE=True, PDL=True),
@@ -120,5 +120,7 @@ def test_grouped_gemm_products_are_tensor_core_dots(compiled):
     assert not compiled["gemm-prefill-bf16"]["fp8_operands"]
 
 
-def test_router_and_gated_add_launch_with_pdl(compiled):
-    assert compiled["router"]["griddepcontrol"] >= 2 and compiled["gated-add"]["griddepcontrol"] >= 2
+def test_moe_kernels_launch_with_pdl(compiled):
+    """Programmatic dependent launch (kernels/pdl.py) in every kernel of the layer, as the engine launches them."""
+    for name in NAMES:
+        assert compiled[name]["griddepcontrol"] >= 2, name

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvserve.kernels import pdl
+
 
 @dataclass(frozen=True)
 class MoETiles:
@@ -53,12 +55,13 @@ def _grouped_matmul_kernel(
     x_ptr, w_ptr, y_ptr, ids_ptr, expert_ptr, rw_ptr, as_ptr, ws_ptr,
     N, K, num_experts, stride_xm, stride_we, stride_wn, stride_ym,
     ROW_DIV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    IEEE: tl.constexpr, ROW_WEIGHT: tl.constexpr, SCALED: tl.constexpr,
+    IEEE: tl.constexpr, ROW_WEIGHT: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (n, b): block b of BLOCK_M routed rows of expert ``expert[b]`` (>= num_experts: empty),
     columns [n * BLOCK_N, ...): y[row] = x[row // ROW_DIV] @ W_e^T, fp32 accumulation (float32
     operands: IEEE products, not TF32), then with SCALED times a_scale * w_scale[e] (fp8 operands,
     vLLM's order), with ROW_WEIGHT times rw[row], one rounding to y's dtype."""
+    pdl.start(PDL)
     b = tl.program_id(1)
     e = tl.load(expert_ptr + b)
     if e < num_experts:
@@ -125,6 +128,6 @@ def launch_grouped(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, blo
         x.stride(0), weight.stride(0), weight.stride(1), out.stride(0),
         ROW_DIV=rows_per_x, BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         IEEE=x.dtype == torch.float32, ROW_WEIGHT=row_weight is not None, SCALED=a_scale is not None,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl.launch_options(x.device),
     )
     return out

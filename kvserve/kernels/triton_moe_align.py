@@ -18,14 +18,18 @@ import torch
 import triton
 import triton.language as tl
 
+from kvserve.kernels import pdl
+
 
 @triton.jit
 def _moe_align_kernel(
     top_ptr, ids_ptr, block_expert_ptr, scratch_ptr, rows, total, num_blocks,
     E: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, NB: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """``top_ptr``: the ``rows`` flattened expert ids; padding rows of a chunk take bin E (counted,
     never placed). E_PAD > E is a power of two (the histogram's bins)."""
+    pdl.start(PDL)
     bins = tl.arange(0, E_PAD)
     real = bins < E
     lane = tl.arange(0, CHUNK)
@@ -83,6 +87,6 @@ def moe_align_triton(top_idx: torch.Tensor, num_experts: int, block_m: int,
         flat, ids, block_expert, scratch, rows, total, num_blocks,
         E=num_experts, E_PAD=e_pad, BLOCK_M=block_m, CHUNK=chunk, NB=max(16, min(128, 8192 // e_pad)),
         # at least one row a thread: tl.histogram over a layout replicated across threads is avoided
-        num_warps=min(8, max(1, chunk // 128)),
+        num_warps=min(8, max(1, chunk // 128)), **pdl.launch_options(flat.device),
     )
     return ids, block_expert
