@@ -280,3 +280,36 @@ def test_hybrid_triton_chunked_prefill_kernel_gives_the_reference_tokens(make_ti
         res = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         outs[backend] = [list(o.outputs[0].token_ids) for o in res]
     assert outs["triton"] == outs["reference"]
+
+
+@skip_without_triton_device()
+@pytest.mark.parametrize("shared_width", [32, 48])
+def test_fused_moe_path_in_float32_equals_transformers(make_tiny_model, shared_width, one_thread):
+    """The device MoE path (Triton router, ``moe_align``, grouped GEMMs with IEEE fp32 products; a
+    shared expert of the experts' width 32 inside the grouped GEMMs as expert E, of width 48 beside
+    them with the gated add) switched on in a float32 Qwen3.5-MoE engine (the runner keeps float32 on
+    the torch loop; here every ``fused`` flag is set after start-up, so steps run eagerly): through
+    chunked prefill, preemption and prefix hits (tests/test_hybrid_graphs.py's workload), transformers'
+    float64 greedy tokens and logprobs within 5x its float32 spread, as the torch path gives. CPU:
+    interpreter; CUDA: the kernels themselves (``moe_align`` in its one launch)."""
+    from test_hybrid_graphs import build_engine, drive, hybrid_workload
+    from triton_support import kernel_device
+
+    folder = make_tiny_model("qwen3_5_moe", seed=4, shared_expert_intermediate_size=shared_width)
+    arrivals = hybrid_workload()
+    engine = build_engine(folder, "eager", device=kernel_device(), dtype="float32", attention_backend="triton",
+                          async_scheduling=False)
+    blocks = [m for m in engine.runner.model.modules() if hasattr(m, "experts_on_device")]
+    assert blocks and not any(b.experts_on_device for b in blocks)
+    for b in blocks:
+        for m in b.modules():
+            if hasattr(m, "fused"):
+                m.fused = True
+    assert all(b.experts_on_device and b.shared_expert_in_grouped_gemms is (shared_width == 32) for b in blocks)
+    out = drive(engine, arrivals, "", logprobs=True)
+    assert engine.scheduler.num_preemptions > 0 and out["f"][2] == out["g"][2] == 32  # preempted; prefix hits
+    ids = [rid for _, rid, _, _ in arrivals]
+    ref = hf_greedy_reference(folder, [p for _, _, p, _ in arrivals], tuple(n for _, _, _, n in arrivals))
+    ref.check([out[r][0] for r in ids], [out[r][1] for r in ids])
+    engine.kv_manager.check_invariants()
+    assert engine.runner.state_pool.num_free == 8

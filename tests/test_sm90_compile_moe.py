@@ -2,8 +2,9 @@
 for attention: Triton's compiler and bundled ptxas, ahead of time, in a subprocess without
 TRITON_INTERPRET). The interpreter checks their indexing; this checks what it cannot: that the
 one-launch ``moe_align`` (histogram, sort, barriers) lowers to Hopper code at its decode and prefill
-chunk sizes, that the grouped GEMM builds at its decode and prefill tiles, bf16 and fp8 (its fp8
-products on fp8 operands), and that all of them build with programmatic dependent launch, as the
+chunk sizes, that the grouped GEMM builds at its decode and prefill tiles, bf16 (also with the shared
+expert as expert E) and fp8 (its fp8 products on fp8 operands), the router with and without the
+shared expert's slot, and that all of them build with programmatic dependent launch, as the
 engine launches them on a GPU."""
 
 from __future__ import annotations
@@ -53,25 +54,29 @@ for name, e, bm, chunk, warps in [("align-decode", 256, 16, 128, 1), ("align-pre
           dict(E=e, E_PAD=e_pad, BLOCK_M=bm, CHUNK=chunk, NB=max(16, min(128, 8192 // e_pad)), PDL=True), align, warps)
 
 gemm = {"ids_ptr": "*i32", "expert_ptr": "*i32", "rw_ptr": "*fp32", "as_ptr": "*fp32", "ws_ptr": "*fp32"}
-for name, dtype, bm, t in [("gemm-decode-bf16", "bf16", 16, triton_moe.default_tiles(16, 1024, None)),
-                           ("gemm-prefill-bf16", "bf16", 64, triton_moe.default_tiles(64, 1024, None)),
-                           ("gemm-decode-fp8", "fp8e4nv", 16, triton_moe.MoETiles(128, 128, 4, 3)),
-                           ("gemm-prefill-fp8", "fp8e4nv", 64, triton_moe.MoETiles(64, 128, 8, 3))]:
-    types = {**gemm, "x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "y_ptr": "*bf16"}
+for name, dtype, bm, t, shared in [
+        ("gemm-decode-bf16", "bf16", 16, triton_moe.default_tiles(16, 1024, None), False),
+        ("gemm-prefill-bf16", "bf16", 64, triton_moe.default_tiles(64, 1024, None), False),
+        ("gemm-decode-bf16-shared", "bf16", 16, triton_moe.default_tiles(16, 1024, None), True),
+        ("gemm-prefill-bf16-shared", "bf16", 64, triton_moe.default_tiles(64, 1024, None), True),
+        ("gemm-decode-fp8", "fp8e4nv", 16, triton_moe.MoETiles(128, 128, 4, 3), False),
+        ("gemm-prefill-fp8", "fp8e4nv", 64, triton_moe.MoETiles(64, 128, 8, 3), False)]:
+    types = {**gemm, "x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "s_ptr": f"*{dtype}", "y_ptr": "*bf16"}
     build(name, triton_moe._grouped_matmul_kernel,
           dict(ROW_DIV=8, BLOCK_M=bm, BLOCK_N=t.block_n, BLOCK_K=t.block_k, IEEE=False, ROW_WEIGHT=True,
-               SCALED=dtype != "bf16", PDL=True), types, t.num_warps, t.num_stages)
+               SCALED=dtype != "bf16", SHARED=shared, PDL=True), types, t.num_warps, t.num_stages)
 
-build("router", triton_router._softmax_topk_kernel,
-      dict(BLOCK_T=8, BLOCK_E=256, BLOCK_K=8, RENORMALIZE=True, PDL=True),
-      {"logits_ptr": "*bf16", "w_ptr": "*fp32", "idx_ptr": "*i64"}, 4)
+for name, shared in [("router", False), ("router-shared", True)]:
+    build(name, triton_router._softmax_topk_kernel,
+          dict(BLOCK_T=8, BLOCK_E=256, BLOCK_K=16 if shared else 8, RENORMALIZE=True, SHARED=shared, PDL=True),
+          {"logits_ptr": "*bf16", "w_ptr": "*fp32", "idx_ptr": "*i64", "g_ptr": "*bf16"}, 4)
 build("gated-add", triton_router._add_gated_shared_kernel, dict(BLOCK=1024, PDL=True),
       {"r_ptr": "*bf16", "s_ptr": "*bf16", "g_ptr": "*bf16"}, 4)
 print("RESULT " + json.dumps(out))
 """
 
-NAMES = ["align-decode", "align-prefill", "gemm-decode-bf16", "gemm-prefill-bf16", "gemm-decode-fp8",
-         "gemm-prefill-fp8", "router", "gated-add"]
+NAMES = ["align-decode", "align-prefill", "gemm-decode-bf16", "gemm-prefill-bf16", "gemm-decode-bf16-shared",
+         "gemm-prefill-bf16-shared", "gemm-decode-fp8", "gemm-prefill-fp8", "router", "router-shared", "gated-add"]
 
 
 @pytest.fixture(scope="module")

@@ -181,3 +181,31 @@ def test_moe_align_kernel_equals_the_torch_twin(tokens, experts, k, block_m, chu
         assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
     with pytest.raises(ValueError, match="chunk 48, expected a power of two >= 32"):
         triton_moe_align.moe_align_triton(top.to(DEV), experts, block_m, chunk=48)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,block_m", [(1, 16), (33, 16), (40, 64)])
+def test_grouped_matmul_with_the_shared_expert_as_expert_e(dtype, tokens, block_m):
+    """``shared`` [N, K] is expert E: routing laid out over E + 1 experts (every token also routed to
+    E, as SparseMoeBlock does) gives its rows the shared weight, the others their expert's; against
+    float64 as the plain grouped GEMM, output poisoned."""
+    from kvserve.kernels.triton_moe import grouped_matmul
+
+    gen = torch.Generator().manual_seed(tokens * 11 + block_m)
+    e, k, n, kdim = 8, 2, 48, 40
+    top = torch.cat([_routing(tokens, e, k, used=6, gen=gen), torch.full((tokens, 1), e, device=DEV)], dim=1)
+    x = torch.randn(tokens, kdim, generator=gen).to(DEV, dtype)
+    w = (torch.randn(e, n, kdim, generator=gen) / kdim ** 0.5).to(DEV, dtype)
+    shared = (torch.randn(n, kdim, generator=gen) / kdim ** 0.5).to(DEV, dtype)
+    ids, block_expert = moe_align(top, e + 1, block_m)
+    out = torch.full((tokens * (k + 1), n), float("nan"), dtype=dtype, device=DEV)
+    grouped_matmul(x, w, ids, block_expert, block_m, k + 1, out, shared=shared)
+    stack = torch.cat([w, shared[None]])  # expert E = the shared expert
+    rows = torch.arange(tokens * (k + 1), device=DEV)
+    xw = x[rows // (k + 1)]
+    want = torch.einsum("rk,rnk->rn", xw.double(), stack[top.reshape(-1)].double())
+    torch_dtype = torch.stack([xw[r] @ stack[top.reshape(-1)[r]].T for r in range(tokens * (k + 1))])
+    assert bool(torch.isfinite(out).all()), "a routed row was not written"
+    assert _rel_err(out, want) <= 2 * _rel_err(torch_dtype, want) + 1e-7
+    with pytest.raises(ValueError, match=r"shared expert \(40, 48\)"):
+        grouped_matmul(x, w, ids, block_expert, block_m, k + 1, out, shared=shared.T)

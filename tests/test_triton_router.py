@@ -94,6 +94,33 @@ def test_softmax_topk_allocates_and_reads_strided_rows():
     assert _rel_err(w, ref) <= 2 * _rel_err(want_w, ref) + FLOOR
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,experts,k", [(1, 8, 2), (7, 60, 8), (300, 256, 8)])
+def test_softmax_topk_with_the_shared_experts_slot(dtype, tokens, experts, k):
+    """``shared_gate``: slot k is expert E with weight sigmoid(gate logit) (float64 of the same
+    logits within 2x torch's own fp32 sigmoid error), not part of the renormalisation; slots 0..k-1
+    as without it; outputs poisoned first; a gate of the wrong shape is refused."""
+    from kvserve.kernels.triton_router import softmax_topk
+
+    gen = torch.Generator().manual_seed(tokens + experts + k)
+    logits = _distinct_logits(tokens, experts, gen).to(DEV, dtype)
+    gate = (torch.randn(tokens, 1, generator=gen) * 3).to(DEV, dtype)
+    for renormalize in (False, True):
+        want_w, want_i = _torch_router(logits, k, renormalize)
+        top_w = torch.full((tokens, k + 1), float("nan"), device=DEV)
+        top_i = torch.full((tokens, k + 1), -1, dtype=torch.int64, device=DEV)
+        got_w, got_i = softmax_topk(logits, k, renormalize, out=(top_w, top_i), shared_gate=gate)
+        assert torch.equal(got_i[:, :k], want_i) and bool((got_i[:, k] == experts).all())
+        ref = _f64_weights(logits, want_i, renormalize)
+        assert _rel_err(got_w[:, :k], ref) <= 2 * _rel_err(want_w, ref) + FLOOR
+        sig64 = torch.sigmoid(gate.double())[:, 0]
+        assert _rel_err(got_w[:, k], sig64) <= 2 * _rel_err(torch.sigmoid(gate.float())[:, 0], sig64) + FLOOR
+    with pytest.raises(ValueError, match=rf"shared_gate \({tokens},\) on"):
+        softmax_topk(logits, k, True, shared_gate=gate[:, 0])
+    with pytest.raises(ValueError, match=rf"expected \[{tokens}, {k + 1}\] float32"):
+        softmax_topk(logits, k, True, out=(top_w[:, :k], top_i[:, :k]), shared_gate=gate)
+
+
 @pytest.mark.parametrize("experts,k", [(8, 1), (8, 3), (60, 8), (128, 10), (256, 16)])
 def test_softmax_topk_ties_go_to_the_lower_expert(experts, k):
     """Logits from {0, 1, 2, 3}: many equal probabilities. The kernel orders by probability, then
@@ -177,11 +204,11 @@ def test_add_gated_shared_rejects_bad_shapes():
         add_gated_shared(r, torch.zeros(4, 16, device=DEV), torch.zeros(4, 1, device=DEV))
 
 
-def _moe_block(norm_topk_prob: bool, seed: int):
+def _moe_block(norm_topk_prob: bool, seed: int, shared_width: int = 48):
     from kvserve.models.qwen3_next import SparseMoeBlock
 
     cfg = SimpleNamespace(hidden_size=64, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                          shared_expert_intermediate_size=48)
+                          shared_expert_intermediate_size=shared_width)
     block = SparseMoeBlock(cfg, norm_topk_prob)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -198,16 +225,18 @@ def _experts_inputs(block) -> list:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("norm_topk_prob", [True, False])
-def test_sparse_moe_block_device_path_equals_reference(dtype, norm_topk_prob):
+@pytest.mark.parametrize("norm_topk_prob,shared_width", [(True, 48), (False, 48), (True, 32)])
+def test_sparse_moe_block_device_path_equals_reference(dtype, norm_topk_prob, shared_width):
     """The whole block with every ``fused`` switch on (as the runner sets them: Triton router, grouped
-    GEMM experts, gated add) against the torch path, both against the float64 block: the same experts
+    GEMM experts, gated add; a shared expert of the experts' width 32 runs as expert E inside the
+    grouped GEMMs instead) against the torch path, both against the float64 block: the same experts
     for every token, routing weights within the router tolerance, outputs within twice the torch
     path's error. The seed is one whose logits have no ties in any dtype."""
     from kvserve.layers.quant_experts import NVFP4Experts
 
     tokens = 40
-    block = _moe_block(norm_topk_prob, seed=13)
+    k, experts = 2, 8
+    block = _moe_block(norm_topk_prob, seed=13, shared_width=shared_width)
     x64 = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(14), dtype=torch.float64)
     with torch.no_grad():
         want = block.double()(x64)
@@ -219,15 +248,22 @@ def test_sparse_moe_block_device_path_equals_reference(dtype, norm_topk_prob):
         ref_seen = _experts_inputs(ref_block)
         ref = ref_block(x)
         assert not ref_block.experts_on_device
-        fused_block = _moe_block(norm_topk_prob, seed=13).to(DEV, dtype)
+        fused_block = _moe_block(norm_topk_prob, seed=13, shared_width=shared_width).to(DEV, dtype)
         for m in fused_block.modules():
             if hasattr(m, "fused"):
                 m.fused = True
         assert fused_block.experts_on_device
+        in_gemms = fused_block.shared_expert_in_grouped_gemms
+        assert in_gemms is (shared_width == 32)
         seen = _experts_inputs(fused_block)
         got = fused_block(x)
     assert got.dtype == dtype and got.shape == (tokens, 64) and bool(torch.isfinite(got).all())
     (_, ref_idx, ref_w), (_, idx, w) = ref_seen[0], seen[0]
+    if in_gemms:  # slot k: the shared expert (expert E), weight sigmoid(gate) in the block's dtype
+        assert bool((idx[:, k] == experts).all())
+        sig = torch.sigmoid(ref_block.shared_expert_gate(x).float())[:, 0].detach()
+        assert float((w[:, k].float() - sig).abs().max()) <= torch.finfo(dtype).eps
+        idx, w = idx[:, :k], w[:, :k]
     assert torch.equal(idx, ref_idx)
     assert w.dtype == dtype
     w64 = _f64_weights(logits, ref_idx, norm_topk_prob)

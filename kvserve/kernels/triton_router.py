@@ -21,13 +21,14 @@ from kvserve.kernels import pdl
 
 @triton.jit
 def _softmax_topk_kernel(
-    logits_ptr, w_ptr, idx_ptr, T, E, K, stride_lt, stride_wt, stride_it,
+    logits_ptr, w_ptr, idx_ptr, g_ptr, T, E, K, stride_lt, stride_wt, stride_it, stride_gt,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-    PDL: tl.constexpr,
+    SHARED: tl.constexpr, PDL: tl.constexpr,
 ):
     """Rows [pid * BLOCK_T, ...) of the [T, E] logits: p = exp(x - max) / sum in fp32, then K rounds
     of argmax (the lowest index among equal maxima), each winner struck out; a NaN probability ranks
-    above every number (torch.topk's order) and comes back as NaN."""
+    above every number (torch.topk's order) and comes back as NaN. With SHARED, slot K is the shared
+    expert: expert E, weight sigmoid(g) of the row's gate logit at ``g_ptr`` (fp32, not renormalised)."""
     pdl.start(PDL)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
@@ -53,17 +54,27 @@ def _softmax_topk_kernel(
     if RENORMALIZE:
         total = tl.sum(tl.where(ks[None, :] < K, top_w, 0.0), axis=1)
         top_w = tl.math.div_rn(top_w, total[:, None])
-    out_ok = row_ok[:, None] & (ks[None, :] < K)
+    if SHARED:
+        g = tl.load(g_ptr + rows * stride_gt, mask=row_ok, other=0.0).to(tl.float32)
+        shared = ks[None, :] == K
+        top_w = tl.where(shared, tl.math.div_rn(1.0, 1.0 + tl.exp(-g))[:, None], top_w)
+        top_i = tl.where(shared, E, top_i)
+        out_ok = row_ok[:, None] & (ks[None, :] <= K)
+    else:
+        out_ok = row_ok[:, None] & (ks[None, :] < K)
     tl.store(w_ptr + rows[:, None] * stride_wt + ks[None, :], top_w, mask=out_ok)
     tl.store(idx_ptr + rows[:, None] * stride_it + ks[None, :], top_i.to(tl.int64), mask=out_ok)
 
 
 def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool,
-                 out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 shared_gate: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The router of a softmax MoE in one launch: ``torch.topk(torch.softmax(logits, -1, float32),
     top_k)``, the weights divided by their sum when ``renormalize``. ``logits`` [T, E] (bf16, fp16 or
     fp32); returns the weights float32 [T, top_k] in descending order and the experts int64
-    [T, top_k] (ties: the lower expert first), into ``out`` when given. No host sync: graph-capturable."""
+    [T, top_k] (ties: the lower expert first), into ``out`` when given. No host sync: graph-capturable.
+    ``shared_gate`` [T, 1] (the shared expert's gate logits) adds a slot: expert E with weight
+    ``sigmoid(shared_gate)``, so the shared expert runs as one more routed expert ([T, top_k + 1])."""
     if logits.dim() != 2 or logits.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"softmax_topk: logits {tuple(logits.shape)} {logits.dtype}, expected [T, E] bf16/fp16/fp32")
     t, e = logits.shape
@@ -71,22 +82,28 @@ def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool,
         raise ValueError(f"softmax_topk: top_k {top_k} for {e} experts")
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
+    if shared_gate is not None and (shared_gate.shape != (t, 1) or shared_gate.device != logits.device):
+        raise ValueError(f"softmax_topk: shared_gate {tuple(shared_gate.shape)} on {shared_gate.device}, expected "
+                         f"[{t}, 1] on {logits.device}")
+    slots = top_k + (shared_gate is not None)
     if out is None:
-        top_w = torch.empty((t, top_k), dtype=torch.float32, device=logits.device)
-        top_idx = torch.empty((t, top_k), dtype=torch.int64, device=logits.device)
+        top_w = torch.empty((t, slots), dtype=torch.float32, device=logits.device)
+        top_idx = torch.empty((t, slots), dtype=torch.int64, device=logits.device)
     else:
         top_w, top_idx = out
-        if (top_w.shape != (t, top_k) or top_w.dtype != torch.float32 or top_w.stride(-1) != 1
-                or top_idx.shape != (t, top_k) or top_idx.dtype != torch.int64 or top_idx.stride(-1) != 1):
+        if (top_w.shape != (t, slots) or top_w.dtype != torch.float32 or top_w.stride(-1) != 1
+                or top_idx.shape != (t, slots) or top_idx.dtype != torch.int64 or top_idx.stride(-1) != 1):
             raise ValueError(f"softmax_topk: out {tuple(top_w.shape)} {top_w.dtype}, {tuple(top_idx.shape)} "
-                             f"{top_idx.dtype}; expected [{t}, {top_k}] float32 and int64, unit column stride")
+                             f"{top_idx.dtype}; expected [{t}, {slots}] float32 and int64, unit column stride")
     if t == 0:
         return top_w, top_idx
     block_e = triton.next_power_of_2(e)
     block_t = min(max(1, 2048 // block_e), 16, triton.next_power_of_2(t))  # small E: several rows a program
     _softmax_topk_kernel[(triton.cdiv(t, block_t),)](
-        logits, top_w, top_idx, t, e, top_k, logits.stride(0), top_w.stride(0), top_idx.stride(0),
-        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k), RENORMALIZE=bool(renormalize),
+        logits, top_w, top_idx, logits if shared_gate is None else shared_gate, t, e, top_k, logits.stride(0),
+        top_w.stride(0), top_idx.stride(0), 0 if shared_gate is None else shared_gate.stride(0),
+        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(slots), RENORMALIZE=bool(renormalize),
+        SHARED=shared_gate is not None,
         num_warps=4 if block_t * block_e <= 2048 else 8, **pdl.launch_options(logits.device),
     )
     return top_w, top_idx

@@ -188,15 +188,21 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.zeros(num_experts, hidden_size, intermediate_size))
         self.fused = False
 
-    def forward(self, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor,
+                shared: SwiGLUMLP | None = None) -> torch.Tensor:
+        """``shared`` (fused only; a shared expert of the experts' width): it runs as expert E of the
+        grouped GEMMs, ``top_idx`` / ``top_w`` carrying its slot (``softmax_topk``'s ``shared_gate``)."""
         if self.fused:
             from kvserve.kernels.moe_configs import config_dtype, tuned_launch
             from kvserve.kernels.triton_moe import grouped_matmul
 
             launch = tuned_launch(self.num_experts, self.intermediate, x.shape[0], x.device, config_dtype(x.dtype))
-            return routed_swiglu(x, top_idx, top_w, self.num_experts, self.intermediate, x.shape[-1],
-                                 lambda a, name, *rows, tiles: grouped_matmul(a, getattr(self, name), *rows, tiles=tiles),
-                                 launch)
+            extra = {} if shared is None else {"gate_up_proj": shared.gate_up_proj.weight,
+                                               "down_proj": shared.down_proj.weight}
+            return routed_swiglu(x, top_idx, top_w, self.num_experts + (shared is not None), self.intermediate,
+                                 x.shape[-1], lambda a, name, *rows, tiles: grouped_matmul(
+                                     a, getattr(self, name), *rows, tiles=tiles, shared=extra.get(name)), launch)
+        assert shared is None, "the shared expert runs in the grouped GEMMs only"
         out = torch.zeros_like(x)
         # token rows per expert, experts in ascending order (transformers' summation order)
         flat = top_idx.flatten()
@@ -219,7 +225,8 @@ class SparseMoeBlock(nn.Module):
     """Softmax (fp32) top-k router, optionally renormalised, routed experts + a shared expert
     scaled by ``sigmoid(shared_expert_gate(x))``. When the experts run on the device
     (``experts_on_device``), the router and the gated add are Triton kernels too
-    (``kernels/triton_router``); else the torch ops below, the reference."""
+    (``kernels/triton_router``), and a shared expert of the dense experts' width runs inside their
+    grouped GEMMs (``shared_expert_in_grouped_gemms``); else the torch ops below, the reference."""
 
     def __init__(self, cfg: Any, norm_topk_prob: bool):
         super().__init__()
@@ -235,15 +242,30 @@ class SparseMoeBlock(nn.Module):
         """Whether the routed experts run the device path (``fused``: grouped GEMMs; NVFP4 and FP8 experts always)."""
         return self.experts.fused is True
 
+    @property
+    def shared_expert_in_grouped_gemms(self) -> bool:
+        """Whether the shared expert runs as expert E of the dense grouped GEMMs (one more row a token,
+        weight ``sigmoid(gate)``): fused dense experts and a shared expert of their width in plain
+        linears, as the 35B-A3B's (512 and 512). Its three GEMMs, SiLU-mul and gated add go."""
+        se, experts = self.shared_expert, self.experts
+        return (isinstance(experts, Experts) and experts.fused is True and se.intermediate == experts.intermediate
+                and all(type(m) is nn.Linear and m.bias is None for m in (se.gate_up_proj, se.down_proj))
+                and type(self.shared_expert_gate) is nn.Linear)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shared = self.shared_expert(x)
         logits = self.gate(x)
         if self.experts_on_device:
             from kvserve.kernels.triton_router import add_gated_shared, softmax_topk
 
+            if self.shared_expert_in_grouped_gemms:
+                top_w, top_idx = softmax_topk(logits, self.top_k, self.norm_topk_prob,
+                                              shared_gate=self.shared_expert_gate(x))
+                return self.experts(x, top_idx, top_w.to(logits.dtype), shared=self.shared_expert)
+            shared = self.shared_expert(x)
             top_w, top_idx = softmax_topk(logits, self.top_k, self.norm_topk_prob)
             routed = self.experts(x, top_idx, top_w.to(logits.dtype))
             return add_gated_shared(routed, shared, self.shared_expert_gate(x))
+        shared = self.shared_expert(x)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         top_w, top_idx = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
