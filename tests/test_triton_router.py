@@ -119,6 +119,13 @@ def test_softmax_topk_with_the_shared_experts_slot(dtype, tokens, experts, k):
         softmax_topk(logits, k, True, shared_gate=gate[:, 0])
     with pytest.raises(ValueError, match=rf"expected \[{tokens}, {k + 1}\] float32"):
         softmax_topk(logits, k, True, out=(top_w[:, :k], top_i[:, :k]), shared_gate=gate)
+    # the weights rounded once, in the kernel, to the block's dtype: torch's rounding of the fp32 weights
+    low = torch.bfloat16 if dtype == torch.float32 else dtype
+    got_low, _ = softmax_topk(logits, k, True, shared_gate=gate, weight_dtype=low)
+    want_w, _ = softmax_topk(logits, k, True, shared_gate=gate)
+    assert got_low.dtype == low and torch.equal(got_low, want_w.to(low))
+    with pytest.raises(ValueError, match="weight_dtype torch.int32"):
+        softmax_topk(logits, k, True, weight_dtype=torch.int32)
 
 
 @pytest.mark.parametrize("experts,k", [(8, 1), (8, 3), (60, 8), (128, 10), (256, 16)])

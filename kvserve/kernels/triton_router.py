@@ -62,19 +62,24 @@ def _softmax_topk_kernel(
         out_ok = row_ok[:, None] & (ks[None, :] <= K)
     else:
         out_ok = row_ok[:, None] & (ks[None, :] < K)
-    tl.store(w_ptr + rows[:, None] * stride_wt + ks[None, :], top_w, mask=out_ok)
+    tl.store(w_ptr + rows[:, None] * stride_wt + ks[None, :], top_w.to(w_ptr.dtype.element_ty), mask=out_ok)
     tl.store(idx_ptr + rows[:, None] * stride_it + ks[None, :], top_i.to(tl.int64), mask=out_ok)
 
 
 def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool,
                  out: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 shared_gate: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 shared_gate: torch.Tensor | None = None,
+                 weight_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """The router of a softmax MoE in one launch: ``torch.topk(torch.softmax(logits, -1, float32),
     top_k)``, the weights divided by their sum when ``renormalize``. ``logits`` [T, E] (bf16, fp16 or
     fp32); returns the weights float32 [T, top_k] in descending order and the experts int64
     [T, top_k] (ties: the lower expert first), into ``out`` when given. No host sync: graph-capturable.
     ``shared_gate`` [T, 1] (the shared expert's gate logits) adds a slot: expert E with weight
-    ``sigmoid(shared_gate)``, so the shared expert runs as one more routed expert ([T, top_k + 1])."""
+    ``sigmoid(shared_gate)``, so the shared expert runs as one more routed expert ([T, top_k + 1]).
+    ``weight_dtype`` (float32, bf16 or fp16): the weights rounded once to it in the kernel (the MoE
+    block's dtype: no cast launch after it)."""
+    if weight_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"softmax_topk: weight_dtype {weight_dtype}, expected float32, bfloat16 or float16")
     if logits.dim() != 2 or logits.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"softmax_topk: logits {tuple(logits.shape)} {logits.dtype}, expected [T, E] bf16/fp16/fp32")
     t, e = logits.shape
@@ -87,14 +92,15 @@ def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool,
                          f"[{t}, 1] on {logits.device}")
     slots = top_k + (shared_gate is not None)
     if out is None:
-        top_w = torch.empty((t, slots), dtype=torch.float32, device=logits.device)
+        top_w = torch.empty((t, slots), dtype=weight_dtype, device=logits.device)
         top_idx = torch.empty((t, slots), dtype=torch.int64, device=logits.device)
     else:
         top_w, top_idx = out
-        if (top_w.shape != (t, slots) or top_w.dtype != torch.float32 or top_w.stride(-1) != 1
+        if (top_w.shape != (t, slots) or top_w.dtype != weight_dtype or top_w.stride(-1) != 1
                 or top_idx.shape != (t, slots) or top_idx.dtype != torch.int64 or top_idx.stride(-1) != 1):
             raise ValueError(f"softmax_topk: out {tuple(top_w.shape)} {top_w.dtype}, {tuple(top_idx.shape)} "
-                             f"{top_idx.dtype}; expected [{t}, {slots}] float32 and int64, unit column stride")
+                             f"{top_idx.dtype}; expected [{t}, {slots}] {str(weight_dtype).removeprefix('torch.')} "
+                             "and int64, unit column stride")
     if t == 0:
         return top_w, top_idx
     block_e = triton.next_power_of_2(e)

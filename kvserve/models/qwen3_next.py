@@ -259,11 +259,11 @@ class SparseMoeBlock(nn.Module):
 
             if self.shared_expert_in_grouped_gemms:
                 top_w, top_idx = softmax_topk(logits, self.top_k, self.norm_topk_prob,
-                                              shared_gate=self.shared_expert_gate(x))
-                return self.experts(x, top_idx, top_w.to(logits.dtype), shared=self.shared_expert)
+                                              shared_gate=self.shared_expert_gate(x), weight_dtype=logits.dtype)
+                return self.experts(x, top_idx, top_w, shared=self.shared_expert)
             shared = self.shared_expert(x)
-            top_w, top_idx = softmax_topk(logits, self.top_k, self.norm_topk_prob)
-            routed = self.experts(x, top_idx, top_w.to(logits.dtype))
+            top_w, top_idx = softmax_topk(logits, self.top_k, self.norm_topk_prob, weight_dtype=logits.dtype)
+            routed = self.experts(x, top_idx, top_w)
             return add_gated_shared(routed, shared, self.shared_expert_gate(x))
         shared = self.shared_expert(x)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
