@@ -19,14 +19,21 @@ def expert_block_rows(rows: int, num_experts: int) -> int:
     return 16 if rows <= 16 * num_experts else 64
 
 
+# rows up to which CUDA takes the one-launch moe_align (one sorted chunk: 512 tokens of the 35B-A3B's top-8);
+# not yet timed against the torch ops (benchmarks/moe_bench.py records both, align_ms / align_torch_ms)
+ALIGN_KERNEL_MAX_ROWS = 4096
+
+
 def moe_align(top_idx: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows ``t * k + j`` (token t's j-th expert) grouped by expert into blocks of ``block_m``: ids
     int32 [P] (-1 where a block is padding; an expert's rows ascending) and the expert of each block,
     int32 [P / block_m] (``num_experts`` for blocks past the last). P is the bound
     ``T k + E (block_m - 1)`` rounded up to ``block_m``, known without reading the counts, so nothing
-    waits on the host (vLLM's ``moe_align_block_size`` sizes its buffers the same way). On CUDA one
-    Triton launch (``kernels/triton_moe_align``); elsewhere ``moe_align_torch``, its twin."""
-    if top_idx.is_cuda:
+    waits on the host (vLLM's ``moe_align_block_size`` sizes its buffers the same way). On CUDA, up
+    to ``ALIGN_KERNEL_MAX_ROWS`` rows (decode batches), one Triton launch (``kernels/triton_moe_align``:
+    one program, which sorts its rows a chunk at a time); else ``moe_align_torch``, its twin, whose
+    ~10 launches spread a prefill chunk's sort over the whole GPU."""
+    if top_idx.is_cuda and top_idx.numel() <= ALIGN_KERNEL_MAX_ROWS:
         from kvserve.kernels.triton_moe_align import moe_align_triton
 
         return moe_align_triton(top_idx, num_experts, block_m)
