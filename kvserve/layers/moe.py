@@ -70,8 +70,9 @@ def routed_swiglu(x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor, n
                   intermediate: int, hidden: int, matmul: GroupedMatmul, launch: MoELaunch | None = None) -> torch.Tensor:
     """The dense ``Experts``' arithmetic over grouped GEMMs: per (token, slot) row
     ``down(silu(gate) * up)`` of its expert, times the routing weight (in the down GEMM, before its
-    rounding, as vLLM's ``MUL_ROUTED_WEIGHT``), summed over the top-k. ``launch`` (a tuned table's
-    entry, ``kernels/moe_configs``) sets the row block and both GEMMs' tiles; else
+    rounding, as vLLM's ``MUL_ROUTED_WEIGHT``), summed over the top-k. ``num_experts`` is what the
+    rows are aligned over (E + 1 when a slot routes to the shared expert as expert E). ``launch`` (a
+    tuned table's entry, ``kernels/moe_configs``) sets the row block and both GEMMs' tiles; else
     ``expert_block_rows`` and each kernel's defaults."""
     t, k = top_idx.shape
     block_m = launch.block_m if launch is not None else expert_block_rows(t * k, num_experts)
