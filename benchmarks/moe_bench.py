@@ -230,13 +230,18 @@ def _gemms(blocks: list, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Te
     return row
 
 
-def sweep_grid() -> list[tuple[int, "object"]]:
-    """(block_m, MoETiles) to try, the defaults' neighbours first: row blocks 16 / 32 / 64, column
-    tiles 64 / 128, K tiles 64 / 128, 4 / 8 warps, 3 / 4 stages."""
+def sweep_grid(rows_per_expert: float = 1.0) -> list[tuple[int, "object"]]:
+    """(block_m, MoETiles) to try, the defaults' neighbours first. Decode-sized batches (at most 16
+    routed rows an expert on average): row blocks 16 / 32 / 64, column tiles 64 / 128, K tiles 64 /
+    128, 4 / 8 warps, 3 / 4 stages. Prefill chunks: row blocks 64 / 128, column tiles 128 / 256 / 64,
+    K tiles 64 / 128, 4 / 8 warps, 3 / 4 stages (vLLM's tuned H200 files pick blocks this size there)."""
     from kvserve.kernels.triton_moe import MoETiles
 
-    return [(bm, MoETiles(bn, bk, w, st)) for bm in (16, 64, 32) for bn in (128, 64) for bk in (64, 128)
-            for w in (4, 8) for st in (3, 4)]
+    if rows_per_expert <= 16:
+        return [(bm, MoETiles(bn, bk, w, st)) for bm in (16, 64, 32) for bn in (128, 64) for bk in (64, 128)
+                for w in (4, 8) for st in (3, 4)]
+    return [(bm, MoETiles(bn, bk, w, st)) for bm in (64, 128) for bn in (128, 256, 64) for bk in (64, 128)
+            for w in (8, 4) for st in (3, 4)]
 
 
 def _sweep(experts: list, x: torch.Tensor, a: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor,
@@ -251,7 +256,7 @@ def _sweep(experts: list, x: torch.Tensor, a: torch.Tensor, top_idx: torch.Tenso
     k, e = top_idx.shape[1], experts[0].num_experts
     rw = top_w.reshape(-1).contiguous()
     out = []
-    for bm, tiles in sweep_grid()[:limit]:
+    for bm, tiles in sweep_grid(t * k / e)[:limit]:
         ids, block_expert = moe_align(top_idx, e, bm)
         hb = torch.empty(t * k, 2 * experts[0].intermediate, dtype=DTYPE, device=DEV)
         db = torch.full((t * k, h), float("nan"), dtype=DTYPE, device=DEV)
