@@ -276,9 +276,10 @@ def _sweep(experts: list, x: torch.Tensor, a: torch.Tensor, top_idx: torch.Tenso
     return [r for r in out if "ms" in r] or out
 
 
-def write_config(doc: dict, folder: Path) -> Path:
-    """The sweep's fastest launch per token count as a table (``kernels/moe_configs``: vLLM's file name
-    and keys, plus ``triton_version``) in ``folder``; returns the file."""
+def write_config(doc: dict, folder: Path) -> Path | None:
+    """The sweep's fastest launch per token count so far as a table (``kernels/moe_configs``: vLLM's
+    file name and keys, plus ``triton_version``) in ``folder``; returns the file (None: nothing swept
+    yet). Rewritten after every point, so a run cut short keeps the counts it swept."""
     import triton
 
     from kvserve.kernels.moe_configs import MoELaunch, config_dtype, config_file_name
@@ -292,11 +293,11 @@ def write_config(doc: dict, folder: Path) -> Path:
             tiles = MoETiles(best["block_n"], best["block_k"], best["num_warps"], best["num_stages"])
             table[str(row["tokens"])] = MoELaunch(best["block_m"], tiles).to_json()
     if len(table) == 1:
-        raise SystemExit("--write-config: no swept token count to write")
+        return None
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / config_file_name(moe["experts"], moe["intermediate"], doc["device"], config_dtype(DTYPE))
     path.write_text(json.dumps(table, indent=4) + "\n")
-    print(f"wrote {path} ({len(table) - 1} token counts)", flush=True)
+    doc["config_file"] = str(path)
     return path
 
 
@@ -373,13 +374,14 @@ def main(argv: list[str] | None = None) -> int:
     out = a.out or common.default_out("moe")
 
     def save() -> None:
+        if a.write_config:
+            write_config(doc, Path(a.write_config))
         common.write_json(out, doc)
 
     bench(moe, tokens, a.time_budget_s, doc, save, a.sweep)
-    if a.write_config:
-        doc["config_file"] = str(write_config(doc, Path(a.write_config)))
-        save()
     save()
+    if a.write_config:
+        print(f"wrote {doc.get('config_file', 'no table: no token count swept')}")
     print(f"wrote {out}")
     parts = [f"{r['tokens']} tok {r['copy_bw_fraction']:.2f} / {r['fraction_of_dense']:.2f}" for r in doc["rows"]]
     common.print_summary("moe grouped GEMMs: fraction of copy bw / of dense GEMM FLOP/s: " + ", ".join(parts)
