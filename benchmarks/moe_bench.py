@@ -15,7 +15,8 @@ Per token count T (k = 8 routed rows a token):
    shape ([T k, H] x [H, 2I] and [T k, I] x [I, H], cuBLAS), timed the same way:
    ``fraction_of_dense`` (the prefill bar: >= 0.5 at 8192 tokens).
 3. The whole ``SparseMoeBlock`` forward on the device path (``Experts.fused``: the router kernel,
-   ``moe_align``, the grouped GEMMs, the shared expert, the gated add) as a CUDA graph, and eagerly,
+   ``moe_align``, the grouped GEMMs with the shared expert as expert E; as a second graph the shared
+   expert apart, its GEMMs and the gated add, ``block_device_graph_shared_apart_ms``) as a CUDA graph, and eagerly,
    against the same block on the torch reference path (the loop over experts, which reads counts on
    the host and cannot be captured: eager), outputs compared.
 4. The grouped GEMMs' own output (the down GEMM weighting its rows, summed over the top-k) against the
@@ -170,7 +171,9 @@ def bench(moe: dict, tokens: list[int], budget_s: float, doc: dict, save, sweep:
               f"grouped GEMMs {gemm_ms * 1e3:8.1f} us = {row['copy_bw_fraction']:.2f} of copy bw "
               f"({floor_ms * 1e3:.1f} us floor), {row['grouped_tflops']:.1f} TFLOP/s = "
               f"{row['fraction_of_dense']:.2f} of dense ({row['dense_tflops']:.1f}, {dense_ms * 1e3:.1f} us); "
-              f"block graph {row['block_device_graph_ms'] * 1e3:.1f} us, eager "
+              f"block graph {row['block_device_graph_ms'] * 1e3:.1f} us"
+              + (f" (shared expert apart {row['block_device_graph_shared_apart_ms'] * 1e3:.1f})"
+                 if row["block_device_graph_shared_apart_ms"] else "") + ", eager "
               f"{row['block_device_eager_ms'] * 1e3:.1f} us, torch loop {row['block_reference_eager_ms'] * 1e3:.1f} "
               f"us; align {row['align_ms'] * 1e3:.1f} us (torch {row['align_torch_ms'] * 1e3:.1f}); rel err GEMMs {row['gemms_rel_err']:.1e}, block {row['block_rel_err']:.1e} "
               f"({row['block_routing_mismatch_tokens']} tokens routed apart)", flush=True)
@@ -326,6 +329,14 @@ def _block_forward(blocks: list, x: torch.Tensor) -> dict:
     for b in blocks:
         _set_device_path(b, True)
     graph_ms = _time_ms([lambda b=b: b(x) for b in blocks])
+    joined = blocks[0].shared_expert_in_grouped_gemms
+    apart_ms = None
+    if joined:  # the same block with the shared expert beside the grouped GEMMs (its GEMMs, SiLU-mul, gated add)
+        for b in blocks:
+            b.shared_expert_may_join = False
+        apart_ms = _time_ms([lambda b=b: b(x) for b in blocks])
+        for b in blocks:
+            b.shared_expert_may_join = True
     blk = blocks[0]
     eager_ms = common.median_ms(lambda: blk(x), 5, 1, DEV == "cuda")
     out_dev = blk(x)
@@ -338,7 +349,9 @@ def _block_forward(blocks: list, x: torch.Tensor) -> dict:
     ref_idx = torch.softmax(logits, -1, dtype=torch.float32).topk(k, -1)[1].sort(-1).values
     apart = (dev_idx != ref_idx).any(-1)
     same = ~apart  # (the error over the tokens both routers send to the same experts: rounding only)
-    return {"block_device_graph_ms": graph_ms, "block_device_eager_ms": eager_ms, "block_reference_eager_ms": ref_ms,
+    return {"block_device_graph_ms": graph_ms, "block_shared_in_grouped_gemms": joined,
+            "block_device_graph_shared_apart_ms": apart_ms,
+            "block_device_eager_ms": eager_ms, "block_reference_eager_ms": ref_ms,
             "block_rel_err": _rel_err(out_dev, out_ref), "block_routing_mismatch_tokens": int(apart.sum()),
             "block_rel_err_same_routing": _rel_err(out_dev[same], out_ref[same]) if bool(same.any()) else None}
 

@@ -125,6 +125,8 @@ def test_moe_smoke_times_the_grouped_gemms_and_checks_them_and_the_block_against
         # ~3e-7. 1e-5 is the bar test_quant_smoke sets for the same fp32 summation-order difference.
         assert r["gemms_rel_err"] < 1e-5 and r["block_rel_err"] < 1e-5
         assert r["block_routing_mismatch_tokens"] == 0  # fp32 router: both paths pick the same experts
+        # the smoke shape's shared expert is as wide as its experts (32): it joins the grouped GEMMs, timed apart too
+        assert r["block_shared_in_grouped_gemms"] is True and r["block_device_graph_shared_apart_ms"] > 0
     assert "summary: moe grouped GEMMs: fraction of copy bw / of dense GEMM FLOP/s: 1 tok " in out
     assert ", 5 tok " in out and ", 40 tok " in out
     # --time-budget-s: no point starts after it; the JSON says the run was cut short

@@ -236,6 +236,7 @@ class SparseMoeBlock(nn.Module):
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
         self.shared_expert = SwiGLUMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+        self.shared_expert_may_join = True  # (benchmarks switch it off to time the shared expert apart)
 
     @property
     def experts_on_device(self) -> bool:
@@ -248,7 +249,8 @@ class SparseMoeBlock(nn.Module):
         weight ``sigmoid(gate)``): fused dense experts and a shared expert of their width in plain
         linears, as the 35B-A3B's (512 and 512). Its three GEMMs, SiLU-mul and gated add go."""
         se, experts = self.shared_expert, self.experts
-        return (isinstance(experts, Experts) and experts.fused is True and se.intermediate == experts.intermediate
+        return (self.shared_expert_may_join and isinstance(experts, Experts) and experts.fused is True
+                and se.intermediate == experts.intermediate
                 and all(type(m) is nn.Linear and m.bias is None for m in (se.gate_up_proj, se.down_proj))
                 and type(self.shared_expert_gate) is nn.Linear)
 
