@@ -328,15 +328,16 @@ def _block_forward(blocks: list, x: torch.Tensor) -> dict:
 
     for b in blocks:
         _set_device_path(b, True)
+        b.shared_expert_join_max_tokens = 1 << 30  # the A/B below times both ways at every size
     graph_ms = _time_ms([lambda b=b: b(x) for b in blocks])
     joined = blocks[0].shared_expert_in_grouped_gemms
     apart_ms = None
-    if joined:  # the same block with the shared expert beside the grouped GEMMs (its GEMMs, SiLU-mul, gated add)
+    if joined:  # at every size: joined (above) and beside the grouped GEMMs (its GEMMs, SiLU-mul, gated add)
         for b in blocks:
-            b.shared_expert_may_join = False
+            b.shared_expert_join_max_tokens = 0
         apart_ms = _time_ms([lambda b=b: b(x) for b in blocks])
         for b in blocks:
-            b.shared_expert_may_join = True
+            b.shared_expert_join_max_tokens = 1 << 30
     blk = blocks[0]
     eager_ms = common.median_ms(lambda: blk(x), 5, 1, DEV == "cuda")
     out_dev = blk(x)

@@ -264,6 +264,11 @@ def test_sparse_moe_block_device_path_equals_reference(dtype, norm_topk_prob, sh
         assert in_gemms is (shared_width == 32)
         seen = _experts_inputs(fused_block)
         got = fused_block(x)
+        if in_gemms:  # a batch over shared_expert_join_max_tokens keeps the shared expert beside the GEMMs
+            fused_block.shared_expert_join_max_tokens = tokens - 1
+            apart = fused_block(x)
+            assert seen[-1][1].shape == (tokens, k)
+            apart_err = float((apart.double() - want.to(DEV)).abs().max())
     assert got.dtype == dtype and got.shape == (tokens, 64) and bool(torch.isfinite(got).all())
     (_, ref_idx, ref_w), (_, idx, w) = ref_seen[0], seen[0]
     if in_gemms:  # slot k: the shared expert (expert E), weight sigmoid(gate) in the block's dtype
@@ -278,5 +283,7 @@ def test_sparse_moe_block_device_path_equals_reference(dtype, norm_topk_prob, sh
     assert _rel_err(w.float(), w64) <= 2 * _rel_err(ref_w.float(), w64) + slack
     err, ref_err = float((got.double() - want.to(DEV)).abs().max()), float((ref.double() - want.to(DEV)).abs().max())
     assert err <= 2 * ref_err + 1e-7
+    if in_gemms:
+        assert apart_err <= 2 * ref_err + 1e-7
     block.experts = NVFP4Experts(8, 64, 32)  # NVFP4 experts run the device path too
     assert block.experts_on_device

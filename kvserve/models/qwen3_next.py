@@ -236,7 +236,10 @@ class SparseMoeBlock(nn.Module):
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
         self.shared_expert = SwiGLUMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
-        self.shared_expert_may_join = True  # (benchmarks switch it off to time the shared expert apart)
+        # batches up to this many tokens run the shared expert inside the grouped GEMMs (where it can):
+        # on an H100 (moe_bench, 35B-A3B block, CUDA graphs) joined was 1-11% faster at 1-64 tokens and
+        # 6-8% slower at 256 and 8,192 (benchmarks/RESULTS.md, MoE layer); benchmarks set it to compare
+        self.shared_expert_join_max_tokens = 64
 
     @property
     def experts_on_device(self) -> bool:
@@ -245,12 +248,12 @@ class SparseMoeBlock(nn.Module):
 
     @property
     def shared_expert_in_grouped_gemms(self) -> bool:
-        """Whether the shared expert runs as expert E of the dense grouped GEMMs (one more row a token,
-        weight ``sigmoid(gate)``): fused dense experts and a shared expert of their width in plain
-        linears, as the 35B-A3B's (512 and 512). Its three GEMMs, SiLU-mul and gated add go."""
+        """Whether the shared expert can run as expert E of the dense grouped GEMMs (one more row a
+        token, weight ``sigmoid(gate)``): fused dense experts and a shared expert of their width in
+        plain linears, as the 35B-A3B's (512 and 512); it does for batches of at most
+        ``shared_expert_join_max_tokens`` tokens. Its GEMMs, SiLU-mul and gated add then go."""
         se, experts = self.shared_expert, self.experts
-        return (self.shared_expert_may_join and isinstance(experts, Experts) and experts.fused is True
-                and se.intermediate == experts.intermediate
+        return (isinstance(experts, Experts) and experts.fused is True and se.intermediate == experts.intermediate
                 and all(type(m) is nn.Linear and m.bias is None for m in (se.gate_up_proj, se.down_proj))
                 and type(self.shared_expert_gate) is nn.Linear)
 
@@ -259,7 +262,7 @@ class SparseMoeBlock(nn.Module):
         if self.experts_on_device:
             from kvserve.kernels.triton_router import add_gated_shared, softmax_topk
 
-            if self.shared_expert_in_grouped_gemms:
+            if x.shape[0] <= self.shared_expert_join_max_tokens and self.shared_expert_in_grouped_gemms:
                 top_w, top_idx = softmax_topk(logits, self.top_k, self.norm_topk_prob,
                                               shared_gate=self.shared_expert_gate(x), weight_dtype=logits.dtype)
                 return self.experts(x, top_idx, top_w, shared=self.shared_expert)
