@@ -886,9 +886,16 @@ def test_serve_with_two_api_servers(make_tiny_model):
     proc = _serve_process(folder, port, extra=("--api-server-count", "2"))
     url = f"http://127.0.0.1:{port}"
     try:
-        spawned = _spawned(proc.pid)
-        assert sorted(open(f"/proc/{p}/comm").read().strip() for p in spawned) == [
-            "ApiServer_0", "ApiServer_1", "EngineCore"]
+        # /health answers once one API server listens: the other may still be starting (not yet named)
+        want = ["ApiServer_0", "ApiServer_1", "EngineCore"]
+        deadline = time.monotonic() + 60
+        while True:
+            spawned = _spawned(proc.pid)
+            names = sorted(open(f"/proc/{p}/comm").read().strip() for p in spawned)
+            if names == want or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert names == want
 
         def complete(i: int) -> str:
             body = {"model": folder, "prompt": f"hi {i}", "max_tokens": 5, "ignore_eos": True}
